@@ -1,0 +1,83 @@
+"""The pointwise pieces of a KDA layer at the stock rounding points (SPEC.md steps 2-6),
+shared by every JAX path: the references, the JAX backend, flush and prefill.
+
+Arrays are FP32 unless named otherwise; "bf16 values" means FP32 arrays holding values
+that were rounded to bf16 where the stock layer rounds.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from jax_kda.config import CONV_TAPS, K
+
+HIGHEST = jax.lax.Precision.HIGHEST
+NORM_EPS = 1e-6  # inside the L2 norms of q and k
+
+
+def round_bf16(x):
+    """x rounded to bf16 (nearest even), kept as FP32."""
+    return x.astype(jnp.bfloat16).astype(jnp.float32)
+
+
+def silu(y):
+    """The convolution's SiLU y / (1 + exp(-y)), rounded to bf16."""
+    return round_bf16(y / (1.0 + jnp.exp(-y)))
+
+
+def l2_normalize(x, scale=1.0):
+    """x / sqrt(sum(x^2) + 1e-6) * scale over the last axis (K channels)."""
+    return x / jnp.sqrt(jnp.sum(x * x, axis=-1, keepdims=True) + NORM_EPS) * scale
+
+
+def decay(raw_g, a_log, dt_bias, lower_bound):
+    """d = exp(lower_bound * sigmoid(exp(a_log) * (raw_g + dt_bias))) per key channel.
+
+    raw_g: [..., H, K] bf16 values; a_log: [H]; dt_bias: [H, K].
+    """
+    return jnp.exp(lower_bound * jax.nn.sigmoid(jnp.exp(a_log)[:, None] * (raw_g + dt_bias)))
+
+
+def gate_projection(f_a, f_b, gate_mode):
+    """raw_g = bf16(f_a . f_b[h]^T): [B, T, K] x [H, K, K] -> [B, T, H, K] bf16 values.
+
+    gate_mode 0 sums the K rank columns as one chain; 1 as four chains over column
+    quarters added ((c0 + c1) + c2) + c3. Products of bf16 values are exact in FP32.
+    """
+    f_a, f_b = f_a.astype(jnp.float32), f_b.astype(jnp.float32)
+    if gate_mode == 0:
+        total = jnp.einsum("btr,hfr->bthf", f_a, f_b, precision=HIGHEST)
+    else:
+        B, T = f_a.shape[:2]
+        H = f_b.shape[0]
+        quarters = jnp.einsum("btqr,hfqr->bthfq", f_a.reshape(B, T, 4, K // 4),
+                              f_b.reshape(H, K, 4, K // 4), precision=HIGHEST)
+        total = ((quarters[..., 0] + quarters[..., 1]) + quarters[..., 2]) + quarters[..., 3]
+    return round_bf16(total)
+
+
+def convolve(history, x, weight, bias):
+    """The short causal convolution and SiLU of q, k and v.
+
+    history: [B, 3, 3, H, K] bf16 values, the three inputs before x_0 (part, position, ...).
+    x: [B, T, 3, H, K] the step's raw inputs. weight: [3, 4, H, K]; bias: [3, H, K] or None.
+    Returns [B, T, 3, H, K] bf16 values: y_t = bias + sum_i w_i seq[t + i], taps in order.
+    """
+    T = x.shape[1]
+    seq = jnp.concatenate([jnp.moveaxis(history, 2, 1), x.astype(jnp.float32)], axis=1)
+    weight = weight.astype(jnp.float32)
+    y = jnp.zeros(x.shape, jnp.float32) if bias is None else jnp.broadcast_to(
+        bias.astype(jnp.float32), x.shape)
+    for i in range(CONV_TAPS):
+        y = y + weight[:, i] * seq[:, i:i + T]
+    return silu(y)
+
+
+def gated_rmsnorm(o, gate, norm_weight, eps):
+    """bf16(o * rsqrt(mean(o^2) + eps) * norm_weight * sigmoid(gate)) over K value rows.
+
+    o: [..., K] bf16 values; gate: [..., K] bf16 logits; norm_weight: [K].
+    """
+    rstd = jax.lax.rsqrt(jnp.mean(o * o, axis=-1, keepdims=True) + eps)
+    gated = jax.nn.sigmoid(gate.astype(jnp.float32))
+    return (o * rstd * norm_weight.astype(jnp.float32) * gated).astype(jnp.bfloat16)

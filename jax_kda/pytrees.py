@@ -97,3 +97,26 @@ def init_cache(config: KdaConfig, num_slots: int, num_records: int) -> KdaCache:
         key_gates=jnp.zeros((num_records, H, RQ, 2, K), jnp.bfloat16),
         pending=jnp.zeros((num_records,), jnp.int32),
     )
+
+
+@_pytree
+@dataclasses.dataclass(frozen=True)
+class PrefillInputs:
+    """A batch of prompts for `prefill`, each run from a zero state and conv history.
+
+    x: [B, L, 3, H, K] bf16, q, k, v projections before the short convolution.
+    f_a: [B, L, K] bf16, the gate's low-rank activations.
+    beta: [B, L, H] bf16, beta logits (sigmoid inside).
+    gate: [B, L, H, K] bf16, output-gate logits (sigmoid inside the norm).
+    lengths: [B] int32, tokens of each prompt (clamped to [0, L]); the rest is padding.
+    slots: [B] int32, state slot per request; <= 0 (or >= S) is a padding row.
+    record_rows: [B] int32, record row whose pending count is reset; < 0 (or >= R): none.
+    """
+
+    x: jax.Array
+    f_a: jax.Array
+    beta: jax.Array
+    gate: jax.Array
+    lengths: jax.Array
+    slots: jax.Array
+    record_rows: jax.Array

@@ -5,6 +5,7 @@
   `jax.lax.scan` over tokens; nothing clever: the ground truth.
 - `chunked_verify`: the chunked (WY) verify and closed-form replay (`jax_kda.chunked`),
   jitted, no per-token state chain; it is also fused_verify's "jax" backend.
+- `stock_prefill`: `jax_kda.prefill` with the per-token scan in place of its chunks.
 
 Both share the stock pointwise pieces (`jax_kda.layer`) and the cache reads and writes
 (`jax_kda.operands`); they differ only in how the recurrence is computed.
@@ -21,7 +22,8 @@ from jax_kda.config import KdaConfig
 from jax_kda.layer import HIGHEST, round_bf16
 from jax_kda.operands import (locate, prepare_tokens, read_history, read_replay,
                               read_state, write_back)
-from jax_kda.pytrees import KdaCache, KdaParams, VerifyInputs
+from jax_kda.prefill import run_prefill
+from jax_kda.pytrees import KdaCache, KdaParams, PrefillInputs, VerifyInputs
 from jax_kda.validate import check_verify
 
 
@@ -35,6 +37,17 @@ def _verify(params, cache, inputs, config, recurrence):
     return write_back(params, cache, inputs, where, tokens, state_n, u, o, config)
 
 
+def stock_step(S, token):
+    """One token of the stock recurrence: (S, (q, k, v, d, beta)) -> (S, (u, bf16 o)),
+    vectors [B, H, K], beta [B, H]."""
+    q, k, v, d, beta = token
+    S = S * d[:, :, None, :]
+    u = beta[..., None] * (v - jnp.einsum("bhrc,bhc->bhr", S, k, precision=HIGHEST))
+    S = S + u[..., :, None] * k[..., None, :]
+    o = jnp.einsum("bhrc,bhc->bhr", S, q, precision=HIGHEST)
+    return S, (u, round_bf16(o))
+
+
 def stock_recurrence(state, replay, tokens):
     """Replay then verify, one token per scan step: (S_n, u, o)."""
 
@@ -45,16 +58,8 @@ def stock_recurrence(state, replay, tokens):
     per_token = lambda a: jnp.moveaxis(a, 2, 0)
     state_n, _ = jax.lax.scan(replay_step, state, tuple(map(per_token, replay)))
 
-    def verify_step(S, token):
-        q, k, v, d, beta = token
-        S = S * d[:, :, None, :]
-        u = beta[..., None] * (v - jnp.einsum("bhrc,bhc->bhr", S, k, precision=HIGHEST))
-        S = S + u[..., :, None] * k[..., None, :]
-        o = jnp.einsum("bhrc,bhc->bhr", S, q, precision=HIGHEST)
-        return S, (u, round_bf16(o))
-
     operands = tuple(map(per_token, (tokens.q, tokens.k, tokens.v, tokens.d, tokens.beta)))
-    _, (u, o) = jax.lax.scan(verify_step, state_n, operands)
+    _, (u, o) = jax.lax.scan(stock_step, state_n, operands)
     return state_n, jnp.moveaxis(u, 0, 2), jnp.moveaxis(o, 0, 2)
 
 
@@ -84,3 +89,20 @@ def chunked_verify(params: KdaParams, cache: KdaCache, inputs: VerifyInputs,
     the cache's buffers are updated in place.
     """
     return _verify(params, cache, inputs, config, chunked_recurrence)
+
+
+def stock_prefill_recurrence(q, k, v, beta, d):
+    """The prompt from a zero state, one token per scan step: (state, o)."""
+    per_token = lambda a: jnp.moveaxis(a, 2, 0)
+    zero = jnp.zeros(k.shape[:2] + (k.shape[-1],) * 2, jnp.float32)
+    state, (_, o) = jax.lax.scan(stock_step, zero, tuple(map(per_token, (q, k, v, d, beta))))
+    return state, jnp.moveaxis(o, 0, 2)
+
+
+def stock_prefill(params: KdaParams, cache: KdaCache, inputs: PrefillInputs,
+                  config: KdaConfig):
+    """`jax_kda.prefill` with the stock per-token recurrence: the ground truth.
+
+    Returns (out [B, L, H, K] bf16, cache). Not jitted, like `stock_verify`.
+    """
+    return run_prefill(params, cache, inputs, config, stock_prefill_recurrence)

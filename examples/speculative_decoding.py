@@ -1,0 +1,488 @@
+"""Greedy speculative decoding of a small KDA language model with jax-kda, checked token
+for token against plain greedy decoding with the stock per-token recurrence.
+
+The target model: token embeddings, `layers` blocks of (RMSNorm; q/k/v, f_a, beta and
+output-gate projections; the KDA layer; output projection; residual; RMSNorm, SiLU MLP,
+residual), a final RMSNorm and an unembedding. Weights are random from `--seed` (no
+downloads), so the text is meaningless but every number is reproducible.
+
+The draft is the target's bigram: embedding -> final norm -> unembedding, no layers. It
+is stateless and cheap, and it agrees with the target only where the layers do not
+change the argmax, which gives realistic partial acceptance.
+
+One decode step, a single `jax.jit` with every layer's cache donated: draft T-1 tokens
+after each request's last token; run the target on those T tokens, every layer through
+`jax_kda.fused_verify` on its own cache; accept the longest prefix of drafts that the
+target's argmax agrees with plus the target's next token; `jax_kda.accept` the count.
+Requests of different prompt lengths share the batch; a finished request frees its slot
+and a waiting one is prefilled into it (`jax_kda.prefill`); empty rows are padding.
+
+The proof: every generated token must be the token plain greedy decoding picks after
+the same prefix, with the whole model run over the sequence and every KDA layer the
+stock per-token recurrence (`reference.stock_prefill`); by induction over the tokens,
+that is token-for-token equality with plain greedy decoding from each prompt. Where
+greedy decoding's top two logits are within TIE, the contract's freedom in FP32
+summation order can break the tie either way; such a token is reported as a tie, any
+other difference as a failure (exit status 1).
+
+    python examples/speculative_decoding.py                       # small, CPU, < 1 minute
+    python examples/speculative_decoding.py --heads 32 --dim 2304 --batch 32  # Kimi-Linear-like
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import functools
+import sys
+import time
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import jax_kda
+from jax_kda import K, KdaConfig, KdaParams, PrefillInputs, VerifyInputs
+from jax_kda.layer import HIGHEST
+from jax_kda.reference import stock_prefill
+from jax_kda.testing import random_params
+from jax_kda.verify import BACKENDS, cutedsl_supported
+
+PROGRESS_SECONDS = 5.0  # a progress line at most this often
+# Stock logits this close are a tie: the recurrences may order FP32 sums differently
+# (SPEC.md), bf16 roundings amplify that, and top logits (std ~1) were seen to differ
+# by up to 2.2e-3 between them on CPU and H200.
+TIE = 1e-2
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    """Sizes of the toy model (static under jit).
+
+    vocab: tokens in the vocabulary. dim: the residual width D. layers: KDA blocks.
+    heads: H heads of K = 128 per KDA layer. tokens: T, tokens per verify (2..8).
+    residual_gain: scale of each block's output projections, i.e. how far the layers
+    move the logits away from the bigram draft's (and so how often drafts are rejected).
+    """
+
+    vocab: int = 512
+    dim: int = 256
+    layers: int = 2
+    heads: int = 2
+    tokens: int = 4
+    residual_gain: float = 0.25
+
+    @property
+    def kda(self) -> KdaConfig:
+        return KdaConfig(heads=self.heads, tokens=self.tokens)
+
+
+class Block(NamedTuple):
+    """One block's weights: the KDA layer's projections (from the residual width D) and
+    its `KdaParams`, then the MLP (width 2D)."""
+
+    norm: jax.Array      # [D]
+    w_x: jax.Array       # [D, 3 * H * K]: q, k, v before the short convolution
+    w_fa: jax.Array      # [D, K]: the gate's low-rank activations
+    w_beta: jax.Array    # [D, H]
+    w_gate: jax.Array    # [D, H * K]: output-gate logits
+    kda: KdaParams
+    w_out: jax.Array     # [H * K, D]
+    mlp_norm: jax.Array  # [D]
+    w_up: jax.Array      # [D, 2D]
+    w_down: jax.Array    # [2D, D]
+
+
+class Model(NamedTuple):
+    """The target's weights; the draft uses embed, final_norm and unembed alone."""
+
+    embed: jax.Array       # [V, D]
+    blocks: tuple          # Block per layer
+    final_norm: jax.Array  # [D]
+    unembed: jax.Array     # [V, D]
+
+
+def init_model(seed: int, config: ModelConfig) -> Model:
+    """Deterministic random weights: projections scaled by fan-in, KDA weights from
+    `jax_kda.testing.random_params` (spread like a trained layer's)."""
+    D, H, V = config.dim, config.heads, config.vocab
+    keys = iter(jax.random.split(jax.random.PRNGKey(seed), 2 + 8 * config.layers))
+    dense = lambda rows, cols, gain=1.0: gain * rows**-0.5 * jax.random.normal(
+        next(keys), (rows, cols), jnp.float32)
+    blocks = tuple(
+        Block(
+            norm=jnp.ones((D,), jnp.float32),
+            w_x=dense(D, 3 * H * K),
+            w_fa=dense(D, K),
+            w_beta=dense(D, H),
+            w_gate=dense(D, H * K),
+            kda=random_params(next(keys), config.kda),
+            w_out=dense(H * K, D, config.residual_gain),
+            mlp_norm=jnp.ones((D,), jnp.float32),
+            w_up=dense(D, 2 * D),
+            w_down=dense(2 * D, D, config.residual_gain),
+        )
+        for _ in range(config.layers))
+    return Model(embed=jax.random.normal(next(keys), (V, D), jnp.float32), blocks=blocks,
+                 final_norm=jnp.ones((D,), jnp.float32), unembed=dense(D, V).T)
+
+
+def rms_norm(h, weight):
+    return h * jax.lax.rsqrt(jnp.mean(h * h, axis=-1, keepdims=True) + 1e-6) * weight
+
+
+def matmul(a, w):
+    return jnp.matmul(a, w, precision=HIGHEST)
+
+
+def forward(model: Model, config: ModelConfig, caches, tokens, kda_layer):
+    """The target on tokens [B, N]: (hidden [B, N, D] before the final norm, caches).
+
+    kda_layer(params, cache, x, f_a, beta, gate) -> (out [B, N, H, K] bf16, cache) runs
+    one KDA layer (a verify, a prefill or the stock reference); caches: one per block.
+    """
+    B, N = tokens.shape
+    H = config.heads
+    h = model.embed[tokens]
+    new_caches = []
+    for block, cache in zip(model.blocks, caches):
+        a = rms_norm(h, block.norm)
+        bf16 = lambda y, *shape: y.reshape(B, N, *shape).astype(jnp.bfloat16)
+        out, cache = kda_layer(block.kda, cache, bf16(matmul(a, block.w_x), 3, H, K),
+                               bf16(matmul(a, block.w_fa), K), bf16(matmul(a, block.w_beta), H),
+                               bf16(matmul(a, block.w_gate), H, K))
+        h = h + matmul(out.reshape(B, N, H * K).astype(jnp.float32), block.w_out)
+        h = h + matmul(jax.nn.silu(matmul(rms_norm(h, block.mlp_norm), block.w_up)),
+                       block.w_down)
+        new_caches.append(cache)
+    return h, new_caches
+
+
+def logits_of(model: Model, h):
+    """[..., D] hidden -> [..., V] logits."""
+    return matmul(rms_norm(h, model.final_norm), model.unembed.T)
+
+
+def greedy(logits):
+    """(argmax [...] int32, top-1 logit [...], top-1 minus top-2 margin [...])."""
+    top, index = jax.lax.top_k(logits, 2)
+    return index[..., 0].astype(jnp.int32), top[..., 0], top[..., 0] - top[..., 1]
+
+
+def draft_next(model: Model, tokens):
+    """The bigram draft's next token after each of tokens [...]: no layers, no state."""
+    return greedy(logits_of(model, model.embed[tokens]))[0]
+
+
+def decode_step(model: Model, caches, last, slots, record_rows, *, config: ModelConfig,
+                backend: str):
+    """One speculative step for the batch. last: [B] each request's newest token, not yet
+    seen by the target; slots, record_rows: [B] (padding rows: slot 0, record row -1).
+
+    Returns (caches, target [B, T], accepted [B], top [B, T]): target[b, :accepted[b]]
+    are request b's new tokens, top the top-1 logits of those decisions.
+    """
+    drafts = [last]
+    for _ in range(config.tokens - 1):
+        drafts.append(draft_next(model, drafts[-1]))
+    tokens = jnp.stack(drafts, axis=1)  # [B, T]: last token, then T-1 drafts
+
+    def verify(params, cache, x, f_a, beta, gate):
+        inputs = VerifyInputs(x, f_a, beta, gate, slots, record_rows)
+        return jax_kda.fused_verify(params, cache, inputs, config.kda, backend=backend)
+
+    h, caches = forward(model, config, caches, tokens, verify)
+    target, top, _ = greedy(logits_of(model, h))
+    # Draft i + 1 stands if the target's argmax after token i equals it, and so did all before.
+    agree = jnp.cumprod(tokens[:, 1:] == target[:, :-1], axis=1)
+    accepted = 1 + jnp.sum(agree, axis=1, dtype=jnp.int32)
+    caches = [jax_kda.accept(cache, record_rows, accepted) for cache in caches]
+    return caches, target, accepted, top
+
+
+def prefill_step(model: Model, caches, prompts, lengths, slots, record_rows, *,
+                 config: ModelConfig):
+    """Prefills prompts [B, L] (lengths [B]) into their slots; padding rows have slot 0.
+
+    Returns (caches, first [B], top [B]): each request's first new token, the target's
+    argmax after its last prompt token, and its logit.
+    """
+
+    def layer(params, cache, x, f_a, beta, gate):
+        inputs = PrefillInputs(x, f_a, beta, gate, lengths, slots, record_rows)
+        return jax_kda.prefill(params, cache, inputs, config.kda)
+
+    h, caches = forward(model, config, caches, prompts, layer)
+    last = jnp.take_along_axis(h, jnp.maximum(lengths - 1, 0)[:, None, None], axis=1)[:, 0]
+    first, top, _ = greedy(logits_of(model, last))
+    return caches, first, top
+
+
+def stock_greedy(model: Model, sequences, lengths, *, config: ModelConfig):
+    """Plain greedy decoding's view of sequences [N, L] (lengths [N]): the whole model with
+    every KDA layer the stock per-token scan from a zero state.
+
+    Returns, per position p, for greedy decoding's choice after sequences[:, :p + 1]:
+    (top [N, L], its logit; margin [N, L], top-1 minus top-2 logit; gap [N, L], top minus
+    the logit of the token the sequence holds at p + 1).
+    """
+    N = sequences.shape[0]
+    slots = jnp.arange(1, N + 1, dtype=jnp.int32)
+    caches = [jax_kda.init_cache(config.kda, N + 1, N) for _ in range(config.layers)]
+
+    def layer(params, cache, x, f_a, beta, gate):
+        inputs = PrefillInputs(x, f_a, beta, gate, lengths, slots, slots - 1)
+        return stock_prefill(params, cache, inputs, config.kda)
+
+    h, _ = forward(model, config, caches, sequences, layer)
+    logits = logits_of(model, h)
+    following = jnp.roll(sequences, -1, axis=1)[..., None]
+    _, top, margin = greedy(logits)
+    return top, margin, top - jnp.take_along_axis(logits, following, axis=-1)[..., 0]
+
+
+def padded(rows, width):
+    """Token lists -> [len(rows), width] int32, zero-padded on the right."""
+    out = np.zeros((len(rows), width), np.int32)
+    for i, row in enumerate(rows):
+        out[i, :len(row)] = row
+    return out
+
+
+def round_up(n, multiple=16):
+    return -(-n // multiple) * multiple
+
+
+def indices(live):
+    """Batch rows -> (slots, record_rows) [B] int32: row b of a live request uses slot
+    b + 1 and record row b; other rows are padding (slot 0, record row -1)."""
+    rows = np.arange(len(live), dtype=np.int32)
+    return (np.where(live, rows + 1, 0).astype(np.int32),
+            np.where(live, rows, -1).astype(np.int32))
+
+
+@dataclasses.dataclass
+class Run:
+    """What a decoding run produced: per request its new tokens, and per token the
+    top-1 logit of the decision that chose it; plus the bookkeeping."""
+
+    tokens: list
+    tops: list
+    steps: int = 0
+    row_steps: int = 0
+    accepted: int = 0
+    prefill_calls: int = 0
+    prefill_s: float = 0.0
+    decode_s: float = 0.0
+    compile_s: float = 0.0
+
+
+def speculative_decode(model: Model, config: ModelConfig, prompts, new_tokens: int,
+                       batch: int, backend: str = "auto", progress=None) -> Run:
+    """Greedy speculative decoding of every prompt (token lists) to new_tokens tokens,
+    `batch` requests at a time; progress(run) is called now and then if given."""
+    max_len = round_up(max(map(len, prompts)))
+    caches = [jax_kda.init_cache(config.kda, batch + 1, batch) for _ in range(config.layers)]
+    zeros = np.zeros(batch, np.int32)
+    padding = indices(zeros > 0)
+    start = time.perf_counter()
+    prefill = jax.jit(functools.partial(prefill_step, config=config), donate_argnums=1).lower(
+        model, caches, padded([[]] * batch, max_len), zeros, *padding).compile()
+    decode = jax.jit(functools.partial(decode_step, config=config, backend=backend),
+                     donate_argnums=1).lower(model, caches, zeros, *padding).compile()
+    run = Run(tokens=[[] for _ in prompts], tops=[[] for _ in prompts],
+              compile_s=time.perf_counter() - start)
+
+    waiting = list(range(len(prompts)))[::-1]
+    row_request = [None] * batch  # request in each batch row (slot row + 1, record row)
+    last = np.zeros(batch, np.int32)
+    shown = time.perf_counter()
+
+    def take(row, tokens, tops):
+        """Appends a row's new tokens; frees the row when its request is done."""
+        request = row_request[row]
+        room = new_tokens - len(run.tokens[request])
+        run.tokens[request] += [int(t) for t in tokens[:room]]
+        run.tops[request] += [float(t) for t in tops[:room]]
+        last[row] = tokens[-1]
+        if len(run.tokens[request]) == new_tokens:
+            row_request[row] = None
+
+    while waiting or any(r is not None for r in row_request):
+        admitted = [row for row in range(batch) if row_request[row] is None][:len(waiting)]
+        for row in admitted:
+            row_request[row] = waiting.pop()
+        if admitted:
+            live = np.isin(np.arange(batch), admitted)
+            texts = [prompts[row_request[row]] if live[row] else [] for row in range(batch)]
+            tick = time.perf_counter()
+            caches, first, top = prefill(
+                model, caches, padded(texts, max_len),
+                np.array([len(t) for t in texts], np.int32), *indices(live))
+            first, top = np.asarray(first), np.asarray(top)
+            run.prefill_s += time.perf_counter() - tick
+            run.prefill_calls += 1
+            for row in admitted:
+                take(row, first[row:row + 1], top[row:row + 1])
+            continue  # admit again if a one-token request finished already
+        live = np.array([r is not None for r in row_request])
+        tick = time.perf_counter()
+        caches, target, accepted, top = decode(model, caches, last, *indices(live))
+        target, accepted, top = map(np.asarray, (target, accepted, top))
+        run.decode_s += time.perf_counter() - tick
+        run.steps += 1
+        run.row_steps += int(live.sum())
+        for row in np.flatnonzero(live):
+            n = accepted[row]
+            run.accepted += int(n)
+            take(row, target[row, :n], top[row, :n])
+        if progress is not None and time.perf_counter() - shown > PROGRESS_SECONDS:
+            shown = time.perf_counter()
+            progress(run)
+    return run
+
+
+class Verdict(NamedTuple):
+    """Per new token of a run (requests in order): where [M, 2] (request, index), gap [M]
+    (how far below the stock top-1 logit the chosen token's stock logit is: 0 where the
+    run chose plain greedy decoding's token), margin [M] (the stock top-1 minus top-2
+    logit) and drift [M] (how far the run's own top-1 logit is from the stock one)."""
+
+    where: np.ndarray
+    gap: np.ndarray
+    margin: np.ndarray
+    drift: np.ndarray
+
+
+def check(model: Model, config: ModelConfig, prompts, run: Run) -> Verdict:
+    """Scores every new token of `run` against plain greedy decoding with the stock
+    per-token recurrence after the same prefix (one pass over the whole sequences). If
+    every gap is 0, every token is greedy decoding's choice after the tokens before it,
+    so by induction the run equals plain greedy decoding from each prompt, token for
+    token."""
+    sequences = [p + t for p, t in zip(prompts, run.tokens)]
+    lengths = np.array([len(s) for s in sequences], np.int32)
+    stock = jax.jit(functools.partial(stock_greedy, config=config))
+    top, margin, gap = map(np.asarray, stock(
+        model, padded(sequences, round_up(lengths.max())), lengths))
+    where, picked = [], []
+    for request, (prompt, tokens) in enumerate(zip(prompts, run.tokens)):
+        at = np.arange(len(prompt) - 1, len(prompt) - 1 + len(tokens))
+        where += [(request, index) for index in range(len(tokens))]
+        picked.append((np.full(len(at), request), at))
+    rows, at = map(np.concatenate, zip(*picked))
+    return Verdict(np.array(where), gap[rows, at], margin[rows, at],
+                   np.abs(top[rows, at] - np.concatenate(run.tops)))
+
+
+def random_prompts(seed: int, count: int, max_length: int, vocab: int):
+    """count prompts of random lengths in 1..max_length."""
+    rng = np.random.default_rng(seed)
+    lengths = rng.integers(1, max_length + 1, size=count)
+    return [rng.integers(0, vocab, size=n).tolist() for n in lengths]
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser.add_argument("--layers", type=int, default=2, help="KDA blocks in the target")
+    parser.add_argument("--heads", type=int, default=2, help="KDA heads of 128 per layer")
+    parser.add_argument("--dim", type=int, default=256, help="residual width")
+    parser.add_argument("--vocab", type=int, default=512, help="vocabulary size")
+    parser.add_argument("--tokens", type=int, default=4,
+                        help="T, tokens per verify: the last token and T-1 drafts (2..8)")
+    parser.add_argument("--batch", type=int, default=4, help="requests decoded together")
+    parser.add_argument("--requests", type=int, default=10, help="requests in all")
+    parser.add_argument("--new-tokens", type=int, default=32, help="tokens per request")
+    parser.add_argument("--max-prompt", type=int, default=40,
+                        help="prompt lengths are random in 1..max-prompt")
+    parser.add_argument("--backend", choices=BACKENDS, default="auto",
+                        help="fused_verify's backend: auto = the CuTe DSL kernel on "
+                             "H100/H200, else pure JAX")
+    parser.add_argument("--seed", type=int, default=0, help="weights and prompts")
+    parser.add_argument("--no-check", action="store_true",
+                        help="skip the check against stock greedy decoding")
+    args = parser.parse_args(argv)
+    for name in ("layers", "heads", "dim", "batch", "requests", "new_tokens", "max_prompt"):
+        value = getattr(args, name)
+        if value < 1:
+            parser.error(f"--{name.replace('_', '-')}: expected >= 1, got {value}")
+    if args.vocab < 2:
+        parser.error(f"--vocab: expected >= 2, got {args.vocab}")
+    if not 2 <= args.tokens <= 8:
+        parser.error(f"--tokens: expected 2..8, got {args.tokens}")
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    config = ModelConfig(vocab=args.vocab, dim=args.dim, layers=args.layers,
+                         heads=args.heads, tokens=args.tokens)
+    resolved = args.backend
+    if resolved == "auto":
+        resolved = "cutedsl" if cutedsl_supported() else "jax"
+    device = jax.devices()[0]
+    print(f"target: {config.layers} KDA layers of {config.heads} heads x {K}, dim "
+          f"{config.dim}, vocab {config.vocab}; draft: the target's bigram (no layers)")
+    print(f"decode: T={config.tokens} (1 + {config.tokens - 1} drafts), batch {args.batch}, "
+          f"{args.requests} requests of {args.new_tokens} new tokens, prompts of 1.."
+          f"{args.max_prompt}; fused_verify backend {resolved} ({args.backend}) on "
+          f"{device.device_kind}")
+
+    model = init_model(args.seed, config)
+    prompts = random_prompts(args.seed, args.requests, args.max_prompt, config.vocab)
+
+    def progress(run):
+        made = sum(map(len, run.tokens))
+        done = sum(len(tokens) == args.new_tokens for tokens in run.tokens)
+        print(f"  step {run.steps}: {done}/{args.requests} requests done, {made} tokens, "
+              f"{run.accepted / run.row_steps:.2f} accepted per request-step, "
+              f"{made / (run.prefill_s + run.decode_s):.0f} tokens/s", flush=True)
+
+    run = speculative_decode(model, config, prompts, args.new_tokens, args.batch,
+                             args.backend, progress)
+    made, prompt_tokens = sum(map(len, run.tokens)), sum(map(len, prompts))
+    total = run.prefill_s + run.decode_s
+    print(f"compile: {run.compile_s:.1f} s (the prefill and the decode step, once each)")
+    print(f"prefill: {prompt_tokens} prompt tokens of {len(prompts)} requests in "
+          f"{run.prefill_calls} calls, {run.prefill_s:.2f} s "
+          f"({100 * run.prefill_s / total:.0f}%), each request's first new token")
+    decoded = made - len(prompts)
+    print(f"decode: {run.steps} steps, {decoded} new tokens in {run.decode_s:.2f} s "
+          f"({100 * run.decode_s / total:.0f}%), {decoded / max(run.decode_s, 1e-9):.0f} "
+          f"tokens/s; mean accepted tokens per request per step "
+          f"{run.accepted / max(run.row_steps, 1):.2f} (of T={config.tokens})")
+    print(f"throughput: {made} new tokens in {total:.2f} s, {made / total:.0f} tokens/s")
+    if args.no_check:
+        return 0
+    tick = time.perf_counter()
+    verdict = check(model, config, prompts, run)
+    took = time.perf_counter() - tick
+    off = np.flatnonzero(verdict.gap > 0)
+    for i in off[:10]:
+        kind = "tie" if verdict.gap[i] <= TIE else "MISMATCH"
+        print(f"{kind}: request {verdict.where[i][0]}, new token {verdict.where[i][1]}: the "
+              f"stock logit of the chosen token is {verdict.gap[i]:.1e} below the top")
+    wrong = int(np.sum(verdict.gap > TIE))
+    if wrong:
+        print(f"check: FAILED, {wrong} of {made} tokens are not plain greedy decoding's "
+              f"choice with the stock per-token recurrence ({took:.1f} s)")
+        return 1
+    if len(off):
+        print(f"check: OK up to ties, {made - len(off)} of {made} tokens are plain greedy "
+              f"decoding's choice with the stock per-token recurrence after the same prefix; "
+              f"the other {len(off)} within {TIE} of it, ties that the two recurrences' "
+              f"allowed FP32 rounding differences break either way ({took:.1f} s)")
+    else:
+        print(f"check: OK, all {made} tokens equal plain greedy decoding with the stock "
+              f"per-token recurrence, token for token ({took:.1f} s)")
+    kept = verdict.gap == 0
+    tight = np.flatnonzero(kept)[np.argmin(verdict.margin[kept])]
+    loose = np.argmax(verdict.drift)
+    print(f"margins: smallest top-1/top-2 logit margin {verdict.margin[tight]:.1e} (the two "
+          f"runs' top logits differ there by {verdict.drift[tight]:.1e}); largest difference "
+          f"{verdict.drift[loose]:.1e} (margin there {verdict.margin[loose]:.1e})")
+    return 0
+
+if __name__ == "__main__":
+    sys.exit(main())

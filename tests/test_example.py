@@ -1,0 +1,60 @@
+"""The speculative-decoding example at a tiny size: its tokens equal plain greedy decoding
+with the stock per-token recurrence, and its check notices a wrong token."""
+import importlib.util
+import pathlib
+import sys
+
+import numpy as np
+import pytest
+
+EXAMPLE = pathlib.Path(__file__).parent.parent / "examples" / "speculative_decoding.py"
+
+
+def load_example():
+    """examples/ is not a package: the module by path (registered, as dataclasses need)."""
+    spec = importlib.util.spec_from_file_location("speculative_decoding", EXAMPLE)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+example = load_example()
+CONFIG = example.ModelConfig(vocab=64, dim=64, layers=1, heads=1, tokens=3)
+NEW_TOKENS = 9
+
+
+@pytest.fixture(scope="module")
+def decoded():
+    """Five requests (prompt lengths 1..7) through a batch of two, so slots are reused
+    and the last step has a padding row; returns (model, prompts, run)."""
+    model = example.init_model(7, CONFIG)
+    prompts = [np.random.default_rng(7).integers(0, CONFIG.vocab, n).tolist()
+               for n in (1, 7, 2, 5, 3)]
+    run = example.speculative_decode(model, CONFIG, prompts, NEW_TOKENS, batch=2,
+                                     backend="jax")
+    return model, prompts, run
+
+
+def test_speculative_equals_stock_greedy(decoded):
+    model, prompts, run = decoded
+    verdict = example.check(model, CONFIG, prompts, run)
+    assert [len(tokens) for tokens in run.tokens] == [NEW_TOKENS] * len(prompts)
+    assert len(verdict.gap) == NEW_TOKENS * len(prompts)
+    assert np.all(verdict.gap == 0), f"not greedy at {verdict.where[verdict.gap > 0]}"
+    # No decision was a near-tie that happened to fall the same way.
+    assert np.all(verdict.drift < verdict.margin)
+    # Both outcomes of a verify happened: some drafts rejected, some accepted.
+    assert 1 < run.accepted / run.row_steps < CONFIG.tokens
+
+
+def test_check_finds_a_wrong_token(decoded):
+    model, prompts, run = decoded
+    token = run.tokens[3][4]
+    run.tokens[3][4] = (token + 1) % CONFIG.vocab
+    try:
+        verdict = example.check(model, CONFIG, prompts, run)
+    finally:
+        run.tokens[3][4] = token
+    wrong = verdict.where[verdict.gap > example.TIE]
+    assert wrong[:1].tolist() == [[3, 4]]

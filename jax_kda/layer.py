@@ -16,8 +16,9 @@ NORM_EPS = 1e-6  # inside the L2 norms of q and k
 
 
 def round_bf16(x):
-    """x rounded to bf16 (nearest even), kept as FP32."""
-    return x.astype(jnp.bfloat16).astype(jnp.float32)
+    """x rounded to bf16 (nearest even), kept as FP32. A reduce_precision, because XLA
+    on GPUs elides an f32 -> bf16 -> f32 round trip (xla_allow_excess_precision)."""
+    return jax.lax.reduce_precision(x, exponent_bits=8, mantissa_bits=7)
 
 
 def silu(y):

@@ -1,0 +1,72 @@
+"""`cutedsl_verify`: the fused kernel as an XLA custom call (cutlass.jax.cutlass_call),
+with the cache buffers it writes (state, conv, corrections, key_gates) aliased from
+inputs to outputs, so that a jitted step with the cache donated updates them in place.
+
+cutlass_call compiles during lowering (also under `jax.export` for platforms=["cuda"]
+on a machine with no GPU) and caches the binary per kernel, operand shapes and specs:
+one compile per configuration and (B, S, R); JAX's own jit cache sits above it.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from jax_kda.config import K, KdaConfig
+from jax_kda.pytrees import KdaCache, KdaParams, VerifyInputs
+from jax_kda.validate import check_verify
+
+SPLITS = (1, 2, 4, 8)
+DEFAULT_SMS = 132  # H100 SXM and H200
+CACHE_WRITES = ("state", "conv", "corrections", "key_gates")  # aliased to outputs 1..4
+FIRST_WRITE = 12  # operand position of cache.state
+
+
+def sm_count(device=None) -> int:
+    """Streaming multiprocessors of `device` (the default device), 132 if unknown."""
+    device = jax.devices()[0] if device is None else device
+    return int(getattr(device, "core_count", 0) or DEFAULT_SMS)
+
+
+def choose_split(items: int, sms: int) -> int:
+    """CTAs per (request, head) for `items` = B x H on `sms` SMs: the smallest split at
+    which the grid puts a CTA on a quarter of the SMs. A large batch streams each state
+    with one CTA (the per-token operands computed once per item); a small one spreads
+    its rows (B = 1, H = 32 on 132 SMs: split 2). Measured on the H200 at T = 4 (us):
+    B = 1: split 1 11.2, 2 9.9, 4 10.3, 8 17.9; B = 8: 1 20.9, 2 29.2; B = 64: 1 157,
+    2 232 (tests/GPU_RESULTS.md)."""
+    for split in SPLITS:
+        if items * split >= sms // 4:
+            return split
+    return SPLITS[-1]
+
+
+def cutedsl_verify(params: KdaParams, cache: KdaCache, inputs: VerifyInputs,
+                   config: KdaConfig):
+    """The fused CuTe DSL verify (SPEC.md sections 3-4) as a custom call.
+
+    Same contract as `jax_kda.reference.chunked_verify`: returns (out [B, T, H, K]
+    bf16, cache). config.split None picks the split with `choose_split`.
+    """
+    import cutlass.jax as cjax
+
+    from jax_kda.kernels import verify_kernel
+
+    B = check_verify(params, cache, inputs, config)
+    config = dataclasses.replace(config, split=config.split or choose_split(
+        B * config.heads, sm_count()))  # one compiled kernel per split, chosen or given
+    # cached per static configuration: cutlass_call keys its compile cache on this object
+    kernel = verify_kernel(config, config.split, params.conv_bias is not None)
+    operands = (inputs.x, inputs.f_a, inputs.beta, inputs.gate, inputs.slots,
+                inputs.record_rows, params.conv_weight, params.conv_bias, params.a_log,
+                params.dt_bias, params.f_b, params.norm_weight, cache.state, cache.conv,
+                cache.corrections, cache.key_gates, cache.pending)
+    out_shape = jax.ShapeDtypeStruct((B, config.tokens, config.heads, K), jnp.bfloat16)
+    shapes = (out_shape,) + tuple(getattr(cache, name) for name in CACHE_WRITES)
+    results = cjax.cutlass_call(
+        kernel, output_shape_dtype=shapes,
+        input_output_aliases={FIRST_WRITE + i: 1 + i for i in range(len(CACHE_WRITES))},
+    )(*operands)
+    out, state, conv, corrections, key_gates = results
+    return out, KdaCache(state, conv, corrections, key_gates, cache.pending)

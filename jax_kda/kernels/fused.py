@@ -1,0 +1,580 @@
+"""The fused verify kernel (SPEC.md sections 3 and 4): one pass over each request's FP32
+state replays the accepted tokens of the last verify into the checkpoint (closed form),
+verifies this step's T tokens from it in chunked (WY) form and records them.
+
+Layout: a cluster of `split` CTAs of 256 threads per (request, head); CTA `rank` owns the
+state rows [rank RC, (rank + 1) RC), RC = 128 / split, and every CTA of the item
+recomputes the shared per-token operands (convolution, norms, gate projection, pair
+products). Thread (g, l) of the state pass holds rows g + G r (r < RPT) and the 4-key
+chunks l + LANES c (c < KCH) of them, LANES threads per row; its rows arrive by cp.async
+while the operands are computed. The gated RMSNorm's sums of squares cross the cluster
+through distributed shared memory. Only rank 0 writes the per-item records (keys, raw
+gates) and the convolution window, right after the prologue, once a cluster barrier
+shows that every CTA of the item has read the old ones.
+
+Before `griddepcontrol.wait` the kernel reads only the weights: under XLA the kernel
+that runs just before it may write any other operand (an `accept` scatter, a copy).
+
+Operand order (cutlass_call's (stream, *inputs, *outputs)): x [B, T, 3, H, K] bf16,
+f_a [B, T, K] bf16, beta [B, T, H] bf16, gate [B, T, H, K] bf16, slots [B] i32,
+record_rows [B] i32, conv_weight [3, 4, H, K], conv_bias [3, H, K] or None, a_log [H],
+dt_bias [H, K], f_b [H, K, K] bf16, norm_weight [K], state [S, H, K, K] f32,
+conv [S, 3, H, K, RQ + 2] bf16, corrections [R, H, RQ, K] f32,
+key_gates [R, H, RQ, 2, K] bf16, pending [R] i32 (the cache, updated in place), then
+out [B, T, H, K] bf16. All row-major; every array is addressed from its base pointer.
+"""
+from __future__ import annotations
+
+import cuda.bindings.driver as cuda
+import cutlass
+import cutlass.cute as cute
+from cutlass import BFloat16, Float32, Int32, Int64
+
+from jax_kda.config import K
+from jax_kda.kernels.primitives import (RN, aligned, butterfly_sum, cp_async_16, decay, exp,
+                                        inv_sqrt, load_vec, load_words, mma_bf16,
+                                        push_f32, round_bf16, sigmoid, silu_bf16,
+                                        store_f32x4_if, transpose_sum, tree_sum, wide)
+
+THREADS = 256
+NORM_EPS = 1e-6  # inside the L2 norms of q and k
+
+
+def pair_index(T, t, s, kind):
+    """Position of A_ts (kind "A", s < t) or B_ts (kind "B", s <= t) in the T^2 pairs."""
+    if kind == "A":
+        return t * (t - 1) // 2 + s
+    return T * (T - 1) // 2 + t * (t + 1) // 2 + s
+
+
+class FusedVerify:
+    """The kernel for one static configuration; `__call__` launches it on a stream.
+
+    heads, tokens, record_tokens: H, T, RQ. gate_mode: the gate projection's FP32 chain
+    order. has_bias: whether conv_bias is given. split: CTAs per (request, head).
+    lower_bound, scale, eps: the layer's scalars, compiled in.
+    """
+
+    def __init__(self, heads, tokens, record_tokens, gate_mode, has_bias, split,
+                 lower_bound, scale, eps):
+        self.heads, self.tokens, self.record_tokens = heads, tokens, record_tokens
+        self.gate_mode, self.has_bias, self.split = gate_mode, has_bias, split
+        self.lower_bound, self.scale, self.eps = lower_bound, scale, eps
+        self.rows = K // split  # RC: state rows per CTA
+        self.rows_per_thread = max(1, self.rows // 64)  # RPT
+        self.lanes = THREADS * self.rows_per_thread // self.rows  # threads per row
+        self.chunks = K // (4 * self.lanes)  # KCH: 4-key chunks per thread and row
+        self.row_groups = self.rows // self.rows_per_thread  # G
+
+    @cute.jit
+    def __call__(self, stream: cuda.CUstream, x: cute.Tensor, f_a: cute.Tensor,
+                 beta: cute.Tensor, gate: cute.Tensor, slots: cute.Tensor,
+                 record_rows: cute.Tensor, conv_weight: cute.Tensor, conv_bias,
+                 a_log: cute.Tensor, dt_bias: cute.Tensor, f_b: cute.Tensor,
+                 norm_weight: cute.Tensor, state: cute.Tensor, conv: cute.Tensor,
+                 corrections: cute.Tensor, key_gates: cute.Tensor, pending: cute.Tensor,
+                 out: cute.Tensor):
+        if cutlass.const_expr(conv_bias is None):
+            conv_bias = conv_weight  # never read: has_bias is False
+        cluster = (self.split, 1, 1) if self.split > 1 else None
+        self.kernel(x.iterator, f_a.iterator, beta.iterator, gate.iterator, slots.iterator,
+                    record_rows.iterator, conv_weight.iterator, conv_bias.iterator,
+                    a_log.iterator, dt_bias.iterator, f_b.iterator, norm_weight.iterator,
+                    state.iterator, conv.iterator, corrections.iterator, key_gates.iterator,
+                    pending.iterator, out.iterator, Int32(state.shape[0]),
+                    Int32(pending.shape[0])).launch(
+            grid=(self.split, self.heads, slots.shape[0]), block=(THREADS, 1, 1),
+            cluster=cluster, stream=stream, use_pdl=True, min_blocks_per_mp=2,
+            preferred_smem_carveout=100)
+
+    @cute.kernel
+    def kernel(self, x, f_a, beta, gate, slots, record_rows, conv_weight, conv_bias,
+               a_log, dt_bias, f_b, norm_weight, state, conv, corrections, key_gates,
+               pending, out, num_slots: Int32, num_records: Int32):
+        T: cutlass.Constexpr = self.tokens
+        RQ: cutlass.Constexpr = self.record_tokens
+        H: cutlass.Constexpr = self.heads
+        SPLIT: cutlass.Constexpr = self.split
+        RC: cutlass.Constexpr = self.rows
+        RPT: cutlass.Constexpr = self.rows_per_thread
+        KCH: cutlass.Constexpr = self.chunks
+        NP: cutlass.Constexpr = T * T
+        tid, _, _ = cute.arch.thread_idx()
+        rank, head, request = cute.arch.block_idx()
+        section = tid // K  # 0: the q and k channels, 1: v and the replay operands
+        row0 = rank * RC
+
+        smem = cutlass.memory.SmemAllocator()
+        row_major = lambda *shape: cute.make_ordered_layout(
+            shape, order=tuple(reversed(range(len(shape)))))
+        staged = smem.allocate_tensor(Float32, row_major(RPT * KCH, THREADS, 4),
+                                      byte_alignment=128)
+        xvec = smem.allocate_tensor(Float32, row_major(2 * T, K), byte_alignment=16)
+        kp = smem.allocate_tensor(Float32, row_major(RQ, K), byte_alignment=16)
+        old_decays = smem.allocate_tensor(Float32, row_major(RQ, K), byte_alignment=16)
+        decay_n = smem.allocate_tensor(Float32, row_major(K), byte_alignment=16)
+        old_u = smem.allocate_tensor(Float32, row_major(RQ, RC), byte_alignment=16)
+        decays = smem.allocate_tensor(Float32, row_major(T, K), byte_alignment=16)
+        raw_gates = smem.allocate_tensor(BFloat16, row_major(T, K), byte_alignment=16)
+        values_v = smem.allocate_tensor(Float32, row_major(T, K), byte_alignment=16)
+        dots = smem.allocate_tensor(Float32, row_major(RC, 2 * T + 1), byte_alignment=16)
+        outs = smem.allocate_tensor(Float32, row_major(T, RC), byte_alignment=16)
+        norm_sums = smem.allocate_tensor(Float32, row_major(T, 2, 4), byte_alignment=16)
+        old_sums = smem.allocate_tensor(Float32, row_major(RQ, 4), byte_alignment=16)
+        pairs = smem.allocate_tensor(Float32, row_major(NP, 4), byte_alignment=16)
+        pair_sums = smem.allocate_tensor(Float32, row_major(NP), byte_alignment=16)
+        betas = smem.allocate_tensor(Float32, row_major(T), byte_alignment=16)
+        out_sums = smem.allocate_tensor(Float32, row_major(T, 4), byte_alignment=16)
+        received = smem.allocate_tensor(Float32, row_major(SPLIT, T), byte_alignment=16)
+        exchange = smem.allocate_array(Int64, 1, byte_alignment=8)
+
+        # The weights: the only operands no earlier op of the program can be writing.
+        taps, bias, dt_gate, fb_words, a_exp, dt_channel, nw = self.load_weights(
+            conv_weight, conv_bias, a_log, dt_bias, f_b, norm_weight, head, tid)
+        cute.arch.griddepcontrol_wait()
+
+        slot, rec = slots[request], record_rows[request]
+        live = (slot > 0) & (slot < num_slots)
+        if live:
+            has_records = (rec >= 0) & (rec < num_records)
+            n = Int32(0)
+            if has_records:
+                n = cutlass.max(cutlass.min(pending[rec], Int32(RQ)), Int32(0))
+            if cutlass.const_expr(SPLIT > 1):
+                if tid == 0:
+                    cute.arch.mbarrier_init(exchange, 1)
+                    cute.arch.mbarrier_arrive_and_expect_tx(exchange, SPLIT * T * 4)
+                    cute.arch.mbarrier_init_fence()
+
+            self.stream_rows(state, staged, slot, head, row0, tid)
+            activation_words = self.load_activations(f_a, request, tid)
+            self.load_corrections(corrections, old_u, rec, has_records, head, row0, tid)
+            activations, history, inputs = self.convolve(
+                x, conv, taps, bias, values_v, norm_sums, slot, n, request, head, tid)
+            self.load_records(key_gates, kp, old_decays, old_sums, a_exp, dt_channel,
+                              rec, has_records, n, head, tid)
+            self.gate_projection(activation_words, fb_words, dt_gate, a_exp, decays,
+                                 raw_gates, tid)
+            if tid < T:
+                betas[tid] = sigmoid(Float32(beta[wide(request * T + tid) * H + head]))
+            cute.arch.griddepcontrol_launch_dependents()
+            cute.arch.barrier()
+            if cutlass.const_expr(SPLIT > 1):
+                # Release / acquire: every CTA of the item has read the old window and
+                # records, and every peer's exchange barrier is armed.
+                cute.arch.cluster_arrive()
+                cute.arch.cluster_wait()
+            if rank == 0:
+                self.write_records(key_gates, conv, activations, raw_gates, history, inputs,
+                                   rec, has_records, slot, head, tid)
+
+            if section == 0:
+                self.token_vectors(activations, norm_sums, decays, xvec, pairs, tid)
+            else:
+                self.replay_vectors(kp, old_decays, old_sums, decay_n, n, tid)
+            cute.arch.barrier()
+            if tid < NP:
+                pair_sums[tid] = tree_sum([pairs[tid, w] for w in range(4)])
+
+            self.state_pass(state, staged, xvec, kp, old_u, decay_n, dots, slot, n, head,
+                            row0, tid)
+            cute.arch.barrier()
+            self.solve_rows(corrections, dots, pair_sums, values_v, betas, outs, rec,
+                            has_records, head, row0, tid)
+            cute.arch.barrier()
+            self.gated_norm(out, gate, outs, out_sums, received, exchange, nw, request,
+                            head, rank, row0, tid)
+        else:
+            if tid < RC:
+                for t in cutlass.range_constexpr(T):
+                    out[wide((request * T + t) * H + head) * K + row0 + tid] = BFloat16(0.0)
+            cute.arch.griddepcontrol_launch_dependents()
+
+    @cute.jit
+    def load_weights(self, conv_weight, conv_bias, a_log, dt_bias, f_b, norm_weight,
+                     head, tid):
+        """Conv taps and bias of this thread's channel (q and k, or v), exp(a_log), the
+        dt_bias values it needs, its warp's f_b mma fragments, its row's norm weight."""
+        H: cutlass.Constexpr = self.heads
+        channel, section = tid % K, tid // K
+        lane, warp = tid % 32, tid // 32
+        taps = cute.make_rmem_tensor((2, 4), Float32)
+        bias = cute.make_rmem_tensor(2, Float32)
+        bias.fill(0.0)
+        for s in cutlass.range_constexpr(2):
+            part = 2 * section + s  # 0 q, 1 k, 2 v (s = 1 unused in section 1)
+            if (section == 0) | (s == 0):
+                for i in cutlass.range_constexpr(4):
+                    taps[s, i] = Float32(conv_weight[((part * 4 + i) * H + head) * K + channel])
+                if cutlass.const_expr(self.has_bias):
+                    bias[s] = Float32(conv_bias[(part * H + head) * K + channel])
+        a_exp = exp(Float32(a_log[head]))
+        dt_channel = Float32(dt_bias[head * K + channel])
+        group, quarter = lane // 4, lane % 4
+        dt_gate = cute.make_rmem_tensor(2, Float32)
+        for i in cutlass.range_constexpr(2):
+            dt_gate[i] = Float32(dt_bias[head * K + 16 * warp + group + 8 * i])
+        # A fragments of m16n8k16: features 16 warp + group (+ 8), ranks 16 chunk + 4 quarter
+        # + [0, 4) in registers 0, 2 (1, 3): the same k permutation as the activations.
+        fb_words = cute.make_rmem_tensor((8, 4), cutlass.Uint32)
+        for chunk in cutlass.range_constexpr(8):
+            for i in cutlass.range_constexpr(2):
+                feature = head * K + 16 * warp + group + 8 * i
+                low, high = load_words(f_b, wide(feature) * K + 16 * chunk + 4 * quarter)
+                fb_words[chunk, i] = low
+                fb_words[chunk, 2 + i] = high
+        nw = Float32(0.0)
+        if tid < self.rows:
+            nw = Float32(norm_weight[cute.arch.block_idx()[0] * self.rows + tid])
+        return taps, bias, dt_gate, fb_words, a_exp, dt_channel, nw
+
+    @cute.jit
+    def stream_rows(self, state, staged, slot, head, row0, tid):
+        """cp.async this thread's RPT x KCH 4-key chunks of the state into `staged`."""
+        H: cutlass.Constexpr = self.heads
+        LANES: cutlass.Constexpr = self.lanes
+        base = (wide(slot) * H + head) * K + row0
+        for r in cutlass.range_constexpr(self.rows_per_thread):
+            row = tid // LANES + self.row_groups * r
+            for c in cutlass.range_constexpr(self.chunks):
+                key = 4 * (tid % LANES + LANES * c)
+                cp_async_16(staged[r * self.chunks + c, tid, None].iterator,
+                            aligned(state, (base + row) * K + key, 16))
+        cute.arch.cp_async_commit_group()
+
+    @cute.jit
+    def load_corrections(self, corrections, old_u, rec, has_records, head, row0, tid):
+        """old_u[t, row] = the recorded u_t of this CTA's rows (all RQ issued at once;
+        only t < n is used)."""
+        H: cutlass.Constexpr = self.heads
+        RC: cutlass.Constexpr = self.rows
+        count: cutlass.Constexpr = self.record_tokens * RC
+        if has_records:
+            for i in cutlass.range_constexpr(-(-count // THREADS)):
+                index = tid + THREADS * i
+                if index < count:
+                    t, row = index // RC, index % RC
+                    old_u[t, row] = corrections[
+                        ((wide(rec) * H + head) * self.record_tokens + t) * K + row0 + row]
+
+    @cute.jit
+    def window_base(self, slot, part, head, channel):
+        """Offset of window[slot, part, head, channel, 0]."""
+        W: cutlass.Constexpr = self.record_tokens + 2
+        return (((wide(slot) * 3 + part) * self.heads + head) * K + channel) * W
+
+    def input_offset(self, request, t, part, head, channel):
+        """Offset of x[request, t, part, head, channel]."""
+        return (((wide(request) * self.tokens + t) * 3 + part) * self.heads + head) * K + channel
+
+    @cute.jit
+    def convolve(self, x, conv, taps, bias, values_v, norm_sums, slot, n, request, head,
+                 tid):
+        """The short convolution and SiLU of this thread's channel: q and k (section 0,
+        rows 0 and 1; sums of squares per warp into norm_sums) or v (section 1, row 0;
+        into values_v). The whole window is loaded (no wait for n), then the history
+        window[o .. o+2], o = max(n - 1, 0), is picked. Returns the activations, the
+        history's last two values and the raw inputs (the new window)."""
+        T: cutlass.Constexpr = self.tokens
+        W: cutlass.Constexpr = self.record_tokens + 2
+        channel, section = tid % K, tid // K
+        lane, warp = tid % 32, tid // 32
+        offset = cutlass.max(n - 1, Int32(0))
+        activations = cute.make_rmem_tensor((2, T), Float32)
+        history = cute.make_rmem_tensor((2, 2), Float32)
+        inputs = cute.make_rmem_tensor((2, T), Float32)
+        activations.fill(0.0)
+        history.fill(0.0)
+        inputs.fill(0.0)
+        for s in cutlass.range_constexpr(2):
+            part = 2 * section + s
+            if (section == 0) | (s == 0):
+                base = self.window_base(slot, part, head, channel)
+                window = cute.make_rmem_tensor(W, Float32)
+                for i in cutlass.range_constexpr(W):
+                    window[i] = Float32(conv[base + i])
+                seq = cute.make_rmem_tensor(T + 3, Float32)
+                for i in cutlass.range_constexpr(3):
+                    seq[i] = window[i]
+                    for o in cutlass.range_constexpr(1, W - 2):
+                        if offset == o:
+                            seq[i] = window[o + i]
+                for t in cutlass.range_constexpr(T):
+                    inputs[s, t] = Float32(x[self.input_offset(request, t, part, head, channel)])
+                    seq[3 + t] = inputs[s, t]
+                for i in cutlass.range_constexpr(2):
+                    history[s, i] = seq[1 + i]
+                for t in cutlass.range_constexpr(T):
+                    y = bias[s]
+                    for i in cutlass.range_constexpr(4):  # rounded products, as the stock loop
+                        y = cute.math.add(y, cute.math.mul(taps[s, i], seq[t + i], rounding=RN),
+                                          rounding=RN)
+                    activations[s, t] = silu_bf16(y)
+        for t in cutlass.range_constexpr(T):
+            if section == 0:
+                for s in cutlass.range_constexpr(2):
+                    squares = butterfly_sum(activations[s, t] * activations[s, t], 32)
+                    if lane == 0:
+                        norm_sums[t, s, warp] = squares
+            else:
+                values_v[t, channel] = activations[0, t]
+        return activations, history, inputs
+
+    @cute.jit
+    def load_records(self, key_gates, kp, old_decays, old_sums, a_exp, dt_channel, rec,
+                     has_records, n, head, tid):
+        """Section 1: the recorded keys (into kp, normalized later), their decays and the
+        keys' sums of squares per warp; all RQ loads issued at once, t >= n masked."""
+        H: cutlass.Constexpr = self.heads
+        RQ: cutlass.Constexpr = self.record_tokens
+        channel, section = tid % K, tid // K
+        lane, warp = tid % 32, tid // 32
+        if section == 1:
+            if has_records:
+                keys = cute.make_rmem_tensor(RQ, Float32)
+                gates = cute.make_rmem_tensor(RQ, Float32)
+                for t in cutlass.range_constexpr(RQ):
+                    base = ((wide(rec) * H + head) * RQ + t) * 2 * K + channel
+                    keys[t] = Float32(key_gates[base])
+                    gates[t] = Float32(key_gates[base + K])
+                for t in cutlass.range_constexpr(RQ):
+                    key = Float32(0.0)
+                    if t < n:
+                        key = keys[t]
+                        kp[t, channel] = key
+                        old_decays[t, channel] = decay(gates[t], a_exp, dt_channel,
+                                                       self.lower_bound)
+                    squares = butterfly_sum(key * key, 32)
+                    if lane == 0:
+                        old_sums[t, warp - 4] = squares
+
+    @cute.jit
+    def load_activations(self, f_a, request, tid):
+        """The mma B fragments of f_a: token `group` (mod T), ranks 16 chunk + 4 quarter
+        + [0, 4) as two bf16x2 words per chunk (the k permutation of the f_b fragments)."""
+        T: cutlass.Constexpr = self.tokens
+        lane = tid % 32
+        group, quarter = lane // 4, lane % 4
+        token_row = wide(request * T + group % T) * K
+        words = cute.make_rmem_tensor((8, 2), cutlass.Uint32)
+        for chunk in cutlass.range_constexpr(8):
+            low, high = load_words(f_a, token_row + 16 * chunk + 4 * quarter)
+            words[chunk, 0] = low
+            words[chunk, 1] = high
+        return words
+
+    @cute.jit
+    def gate_projection(self, activation_words, fb_words, dt_gate, a_exp, decays,
+                        raw_gates, tid):
+        """raw_g = bf16(f_a . f_b[h]^T) with bf16 mma (warp w: features 16 w + [0, 16),
+        tokens as the 8 columns), and this step's decays."""
+        T: cutlass.Constexpr = self.tokens
+        lane, warp = tid % 32, tid // 32
+        group, quarter = lane // 4, lane % 4
+        chains: cutlass.Constexpr = 4 if self.gate_mode == 1 else 1
+        acc = cute.make_rmem_tensor((chains, 4), Float32)
+        acc.fill(0.0)
+        for chunk in cutlass.range_constexpr(8):
+            chain: cutlass.Constexpr = chunk // 2 if self.gate_mode == 1 else 0
+            d = mma_bf16([fb_words[chunk, i] for i in range(4)],
+                         [activation_words[chunk, i] for i in range(2)],
+                         [acc[chain, e] for e in range(4)])
+            for e in cutlass.range_constexpr(4):
+                acc[chain, e] = d[e]
+        for e in cutlass.range_constexpr(4):
+            token = 2 * quarter + e % 2
+            feature = 16 * warp + group + 8 * (e // 2)
+            total = acc[0, e]
+            if cutlass.const_expr(self.gate_mode == 1):
+                total = ((acc[0, e] + acc[1, e]) + acc[2, e]) + acc[3, e]
+            raw_g = round_bf16(total)
+            if token < T:
+                raw_gates[token, feature] = BFloat16(raw_g)
+                decays[token, feature] = decay(raw_g, a_exp, dt_gate[e // 2],
+                                               self.lower_bound)
+
+    @cute.jit
+    def token_vectors(self, activations, norm_sums, decays, xvec, pairs, tid):
+        """Section 0: normalized q (scaled) and k of this channel; Gamma_t k_t and
+        Gamma_t q_t into xvec; the channel's terms of the T^2 pair products, summed per
+        warp into pairs."""
+        T: cutlass.Constexpr = self.tokens
+        NP: cutlass.Constexpr = T * T
+        channel, lane, warp = tid % K, tid % 32, tid // 32
+        qs = cute.make_rmem_tensor(T, Float32)
+        ks = cute.make_rmem_tensor(T, Float32)
+        gamma = Float32(1.0)
+        for t in cutlass.range_constexpr(T):
+            sq = tree_sum([norm_sums[t, 0, w] for w in range(4)])
+            sk = tree_sum([norm_sums[t, 1, w] for w in range(4)])
+            qs[t] = activations[0, t] / cute.math.sqrt(sq + NORM_EPS) * self.scale
+            ks[t] = activations[1, t] / cute.math.sqrt(sk + NORM_EPS)
+            d = decays[t, channel]
+            gamma = d if t == 0 else gamma * d
+            xvec[t, channel] = gamma * ks[t]
+            xvec[T + t, channel] = gamma * qs[t]
+        d = [decays[t, channel] for t in range(T)]
+        pairs_in_order = [("A", t, s) for t in range(T) for s in range(t)] + [
+            ("B", t, s) for t in range(T) for s in range(t + 1)]
+        width = min(32, 1 << (NP - 1).bit_length())  # values reduced per transpose_sum
+        for first in cutlass.range_constexpr(0, NP, width):
+            terms = []
+            for kind, t, s in pairs_in_order[first:first + width]:
+                weighted = ks[s]  # k_s P(s, t), the products in token order
+                for r in cutlass.range_constexpr(s + 1, t + 1):
+                    weighted = weighted * d[r]
+                terms.append(weighted * (ks[t] if kind == "A" else qs[t]))
+            terms += [Float32(0.0)] * (width - len(terms))
+            total = transpose_sum(terms, lane)
+            stride: cutlass.Constexpr = 32 // width
+            if lane % stride == 0:
+                index = first + lane // stride
+                if index < NP:
+                    pairs[index, warp] = total
+
+    @cute.jit
+    def replay_vectors(self, kp, old_decays, old_sums, decay_n, n, tid):
+        """Section 1: kp[t] = kn_t * P_t (suffix products of the recorded decays, taken
+        from the last token back) and D_n, for t < n."""
+        channel = tid % K
+        suffix = Float32(1.0)
+        for r in range(n):
+            t = n - 1 - r
+            total = tree_sum([old_sums[t, w] for w in range(4)])
+            kp[t, channel] = kp[t, channel] / cute.math.sqrt(total + NORM_EPS) * suffix
+            suffix = suffix * old_decays[t, channel]
+        decay_n[channel] = suffix
+
+    @cute.jit
+    def state_pass(self, state, staged, xvec, kp, old_u, decay_n, dots, slot, n, head,
+                   row0, tid):
+        """Per 4-key chunk of this thread's rows: S_n = S_0 D_n + sum_t u_t (kn_t P_t),
+        written back if n > 0, and the 2T dot products with Gamma k and Gamma q; the
+        LANES partial dots of a row are then summed into dots[row]."""
+        T: cutlass.Constexpr = self.tokens
+        H: cutlass.Constexpr = self.heads
+        RPT: cutlass.Constexpr = self.rows_per_thread
+        LANES: cutlass.Constexpr = self.lanes
+        G: cutlass.Constexpr = self.row_groups
+        base = (wide(slot) * H + head) * K + row0
+        lane_in, row_in = tid % LANES, tid // LANES
+        acc = cute.make_rmem_tensor((RPT, 2 * T), Float32)
+        acc.fill(0.0)
+        cute.arch.cp_async_wait_group(0)
+        for c in cutlass.range_constexpr(self.chunks):
+            key = 4 * (lane_in + LANES * c)
+            rows = cute.make_rmem_tensor((RPT, 4), Float32)
+            replayed = cute.make_rmem_tensor((RPT, 4), Float32)
+            replayed.fill(0.0)
+            for r in cutlass.range_constexpr(RPT):
+                v = load_vec(staged.iterator, (r * self.chunks + c) * THREADS * 4 + tid * 4, 4)
+                for e in cutlass.range_constexpr(4):
+                    rows[r, e] = v[e]
+            for t in range(n):
+                k4 = load_vec(kp.iterator, t * K + key, 4)
+                for r in cutlass.range_constexpr(RPT):
+                    u = old_u[t, row_in + G * r]
+                    for e in cutlass.range_constexpr(4):
+                        replayed[r, e] = cute.math.fma(u, k4[e], replayed[r, e])
+            d4 = load_vec(decay_n.iterator, key, 4)
+            for r in cutlass.range_constexpr(RPT):
+                for e in cutlass.range_constexpr(4):
+                    rows[r, e] = cute.math.fma(rows[r, e], d4[e], replayed[r, e])
+                target = aligned(state, (base + row_in + G * r) * K + key, 16)
+                store_f32x4_if(target, [rows[r, e] for e in range(4)], n > 0)
+            for j in cutlass.range_constexpr(2 * T):
+                x4 = load_vec(xvec.iterator, j * K + key, 4)
+                for r in cutlass.range_constexpr(RPT):
+                    for e in cutlass.range_constexpr(4):
+                        acc[r, j] = cute.math.fma(rows[r, e], x4[e], acc[r, j])
+        for r in cutlass.range_constexpr(RPT):
+            for j in cutlass.range_constexpr(2 * T):
+                total = butterfly_sum(acc[r, j], LANES)
+                if lane_in == j % LANES:
+                    dots[row_in + G * r, j] = total
+
+    @cute.jit
+    def solve_rows(self, corrections, dots, pair_sums, values_v, betas, outs, rec,
+                   has_records, head, row0, tid):
+        """Per state row (thread < RC): the T x T forward substitution for u_t, the
+        outputs o_t (bf16) into outs, and u_t into the records."""
+        T: cutlass.Constexpr = self.tokens
+        H: cutlass.Constexpr = self.heads
+        if tid < self.rows:
+            row = row0 + tid
+            us = cute.make_rmem_tensor(T, Float32)
+            for t in cutlass.range_constexpr(T):
+                total = dots[tid, t]
+                for s in cutlass.range_constexpr(t):
+                    total = cute.math.fma(pair_sums[pair_index(T, t, s, "A")], us[s], total)
+                us[t] = (values_v[t, row] - total) * betas[t]
+                if has_records:
+                    corrections[((wide(rec) * H + head) * self.record_tokens + t) * K
+                                + row] = us[t]
+            for t in cutlass.range_constexpr(T):
+                o = dots[tid, T + t]
+                for s in cutlass.range_constexpr(t + 1):
+                    o = cute.math.fma(pair_sums[pair_index(T, t, s, "B")], us[s], o)
+                outs[t, tid] = round_bf16(o)
+
+    @cute.jit
+    def gated_norm(self, out, gate, outs, out_sums, received, exchange, nw, request, head,
+                   rank, row0, tid):
+        """out = bf16(o rsqrt(mean(o^2) + eps) norm_weight sigmoid(gate)) over the K value
+        rows; the sums of squares of the cluster's CTAs meet in every CTA over DSMEM."""
+        T: cutlass.Constexpr = self.tokens
+        H: cutlass.Constexpr = self.heads
+        SPLIT: cutlass.Constexpr = self.split
+        RC: cutlass.Constexpr = self.rows
+        NW: cutlass.Constexpr = (RC + 31) // 32  # warps holding this CTA's rows
+        lane, warp = tid % 32, tid // 32
+        if tid < NW * 32:
+            for t in cutlass.range_constexpr(T):
+                o = Float32(0.0)
+                if tid < RC:
+                    o = outs[t, tid]
+                total = butterfly_sum(o * o, 32)
+                if lane == 0:
+                    out_sums[t, warp] = total
+        cute.arch.barrier()
+        if cutlass.const_expr(SPLIT > 1):
+            if tid < T:
+                local = tree_sum([out_sums[tid, w] for w in range(NW)])
+                for peer in cutlass.range_constexpr(SPLIT):
+                    push_f32(received.iterator + rank * T + tid, local, exchange, peer)
+            cute.arch.mbarrier_wait(exchange, 0)
+        if tid < RC:
+            row = row0 + tid
+            for t in cutlass.range_constexpr(T):
+                if cutlass.const_expr(SPLIT > 1):
+                    sumsq = tree_sum([received[p, t] for p in range(SPLIT)])
+                else:
+                    sumsq = tree_sum([out_sums[t, w] for w in range(NW)])
+                rstd = inv_sqrt(sumsq / K + self.eps)
+                where = wide((request * T + t) * H + head) * K + row
+                gated = sigmoid(Float32(gate[where]))
+                out[where] = BFloat16(outs[t, tid] * rstd * nw * gated)
+
+    @cute.jit
+    def write_records(self, key_gates, conv, activations, raw_gates, history, inputs, rec,
+                      has_records, slot, head, tid):
+        """Rank 0, once every CTA of the item has read the old ones: the new records' keys
+        (section 0) and raw gates (section 1), and the window
+        [history[1], history[2], x_0 .. x_{T-1}] of this thread's channels."""
+        T: cutlass.Constexpr = self.tokens
+        H: cutlass.Constexpr = self.heads
+        channel, section = tid % K, tid // K
+        if has_records:
+            for t in cutlass.range_constexpr(T):
+                base = ((wide(rec) * H + head) * self.record_tokens + t) * 2 * K + channel
+                if section == 0:
+                    key_gates[base] = BFloat16(activations[1, t])
+                else:
+                    key_gates[base + K] = raw_gates[t, channel]
+        for s in cutlass.range_constexpr(2):
+            if (section == 0) | (s == 0):
+                base = self.window_base(slot, 2 * section + s, head, channel)
+                for i in cutlass.range_constexpr(2):
+                    conv[base + i] = BFloat16(history[s, i])
+                for t in cutlass.range_constexpr(T):
+                    conv[base + 2 + t] = BFloat16(inputs[s, t])

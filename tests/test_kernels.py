@@ -1,0 +1,88 @@
+"""The CuTe DSL kernel without a GPU (marker `kernels`): the custom call lowered for
+CUDA with jax.export (CuTe DSL compiles the kernel for sm_90a during lowering) aliases
+the cache buffers in place; configurations compile without spills; the split heuristic;
+the eager entry point's argument errors.
+"""
+import functools
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+pytest.importorskip("cutlass", reason="needs nvidia-cutlass-dsl")
+
+from jax import export  # noqa: E402
+
+from jax_kda import KdaConfig, fused_verify  # noqa: E402
+from jax_kda.ffi import choose_split, eager_verify  # noqa: E402
+from jax_kda.testing import random_cache, random_inputs, random_params  # noqa: E402
+
+pytestmark = pytest.mark.kernels
+
+TARGET = "CuteDSLRT_NvJaxCutlassCall_v2"
+CACHE_WRITES = ("state", "conv", "corrections", "key_gates")
+
+
+def shapes(tree):
+    return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), tree)
+
+
+def example(config, conv_bias=True, batch=3):
+    key = jax.random.key(0)
+    params = random_params(key, config, conv_bias=conv_bias)
+    cache = random_cache(jax.random.fold_in(key, 1), config, num_slots=5, num_records=4)
+    inputs = random_inputs(jax.random.fold_in(key, 2), config, list(range(1, batch + 1)),
+                           list(range(batch)))
+    return params, cache, inputs
+
+
+@pytest.mark.parametrize("conv_bias", [True, False], ids=["bias", "no-bias"])
+def test_export_aliases_the_cache_in_place(conv_bias):
+    """The exported module holds one CuTe DSL custom call whose outputs 1..4 alias the
+    cache inputs, and the donated cache arguments alias the jitted function's outputs."""
+    config = KdaConfig(heads=2, tokens=4, split=2)
+    params, cache, inputs = example(config, conv_bias)
+    step = jax.jit(functools.partial(fused_verify, config=config, backend="cutedsl"),
+                   donate_argnums=1)
+    exported = export.export(step, platforms=["cuda"], disabled_checks=[
+        export.DisabledSafetyCheck.custom_call(TARGET)])(
+            shapes(params), shapes(cache), shapes(inputs))
+    text = exported.mlir_module()
+    assert text.count(f"stablehlo.custom_call @{TARGET}") == 1
+    aliases = re.findall(r"output_tuple_indices = \[(\d)\], operand_index = (\d+)", text)
+    assert sorted(int(o) for o, _ in aliases) == [1, 2, 3, 4]
+    main = re.search(r"func\.func public @main\((.*?)\) ->", text, re.S).group(1)
+    for name in CACHE_WRITES:
+        argument = re.search(rf"%arg\d+: [^%]*?loc\(\"cache\.{name}\"\)", main).group(0)
+        assert "tf.aliasing_output" in argument, f"cache.{name} is not aliased"
+
+
+def test_compiles_without_spills():
+    """Two corners of the configuration space compile for sm_90a with no local memory
+    (`python -m jax_kda.kernels` compiles them all)."""
+    from jax_kda.kernels.__main__ import main
+
+    assert main(["--arch", "sm_90a", "--heads", "2", "--only", "2,0,1", "--only", "8,1,8"]) == 0
+
+
+@pytest.mark.parametrize("items,sms,expected", [(2048, 132, 1), (33, 132, 1), (32, 132, 2),
+                                                (4, 132, 8), (1, 132, 8)])
+def test_choose_split(items, sms, expected):
+    assert choose_split(items, sms) == expected
+
+
+def test_eager_rejects_a_wrong_shape_before_any_launch():
+    config = KdaConfig(heads=2, tokens=4)
+    params, cache, inputs = jax.tree.map(np.asarray, example(config))
+    out = np.zeros((3, 4, 2, 128), jnp.bfloat16)
+    bad = cache.__class__(cache.state[:, :1], cache.conv, cache.corrections,
+                          cache.key_gates, cache.pending)
+    with pytest.raises(ValueError, match=r"state: expected \[5, 2, 128, 128\] float32, "
+                                         r"got \[5, 1, 128, 128\] float32"):
+        eager_verify(params, bad, inputs, out, config)
+    with pytest.raises(ValueError, match=r"out: expected \[3, 4, 2, 128\] bfloat16"):
+        eager_verify(params, cache, inputs, out.astype(np.float32), config)
+    with pytest.raises(TypeError, match="stream: expected None, an int handle"):
+        eager_verify(params, cache, inputs, out, config, stream="default")

@@ -31,7 +31,11 @@ pytestmark = [
 # falls the other way (FP32 order, exp, division) moves an output by a few 2^-8. "state",
 # "corrections": |a - e| / max |e|: FP32 reassociation for the state; for u_t one v
 # rounding flip is beta 2^-8 |v| (~2^-9 of the buffer's max). "keys": bf16 ulps of a
-# recorded key or raw gate (a flip is one ulp) and "key_flips" the fraction that differ.
+# recorded key or raw gate (a flip is one ulp), counted at no less than 2^-8 of the
+# row's mean magnitude: both are FP32 sums (conv taps; the tensor cores' gate
+# projection, whose accumulation order is not XLA's) that can cancel to a value far
+# below their terms, where FP32 noise is several ulps of the tiny result (seen on the
+# H200: up to 6 at |raw gate| << mean); "key_flips" the fraction that differ.
 # The window and pending are copies: exact.
 TOLERANCES = {"out": 4 * 2**-8, "state": 2e-5, "corrections": 2**-6, "keys": 1,
               "key_flips": 1e-2, "window": 0, "pending": 0}
@@ -64,6 +68,15 @@ def batch(rng, edge_cases):
             jnp.asarray([r for _, r in pairs], jnp.int32))
 
 
+def problem(config, seed, edge_cases):
+    """Random weights, cache and one step's inputs of a batch (see `batch`)."""
+    key = jax.random.key(seed)
+    slots, rows = batch(np.random.default_rng(seed), edge_cases)
+    return (random_params(key, config),
+            random_cache(jax.random.fold_in(key, 1), config, NUM_SLOTS, NUM_RECORDS),
+            random_inputs(jax.random.fold_in(key, 2), config, slots, rows))
+
+
 def poison(cache, config):
     """NaN wherever the verify may not read: the null slot, records past pending."""
     n = np.clip(np.asarray(cache.pending), 0, config.rq)
@@ -86,7 +99,7 @@ def errors(out, cache, out_ref, cache_ref):
     row_scale = np.abs(e) + np.mean(np.abs(e), axis=-1, keepdims=True) + 1e-30
     rel = lambda x, y: float(np.nanmax(np.abs(f32(x) - f32(y))) / np.nanmax(np.abs(f32(y))))
     keys_a, keys_e = f32(cache.key_gates), f32(cache_ref.key_gates)
-    ulp = np.abs(keys_e) * 2.0**-7 + 1e-30
+    ulp = 2.0**-7 * (np.abs(keys_e) + 2.0**-8 * np.nanmean(np.abs(keys_e), -1, keepdims=True))
     differ = ~((keys_a == keys_e) | (np.isnan(keys_a) & np.isnan(keys_e)))
     return {
         "out": float(np.max(np.abs(a - e) / row_scale)),
@@ -193,11 +206,7 @@ def test_split_none_and_one_head():
 def test_in_place_under_jit_with_donation():
     """Same buffers after a donated jitted step, and no copy in the compiled HLO."""
     config = KdaConfig(heads=4, tokens=4, split=2)
-    key = jax.random.key(5)
-    params = random_params(key, config)
-    cache = random_cache(jax.random.fold_in(key, 1), config, NUM_SLOTS, NUM_RECORDS)
-    slots, rows = batch(np.random.default_rng(5), edge_cases=False)
-    inputs = random_inputs(jax.random.fold_in(key, 2), config, slots, rows)
+    params, cache, inputs = problem(config, seed=5, edge_cases=False)
     step = kernel_step(config)
     hlo = step.lower(params, cache, inputs).compile().as_text()
     assert "copy(" not in hlo and "copy-start" not in hlo, "XLA copies a cache buffer"
@@ -210,11 +219,7 @@ def test_in_place_under_jit_with_donation():
 
 def test_bitwise_repeatable():
     config = KdaConfig(heads=3, tokens=5, split=4)
-    key = jax.random.key(9)
-    params = random_params(key, config)
-    cache = random_cache(jax.random.fold_in(key, 1), config, NUM_SLOTS, NUM_RECORDS)
-    slots, rows = batch(np.random.default_rng(9), edge_cases=True)
-    inputs = random_inputs(jax.random.fold_in(key, 2), config, slots, rows)
+    params, cache, inputs = problem(config, seed=9, edge_cases=True)
     step = kernel_step(config)
     results = [step(params, copy(cache), inputs) for _ in range(3)]
     for out, c in results[1:]:
@@ -225,11 +230,8 @@ def test_bitwise_repeatable():
 
 def test_untouched_slots_and_records_bitwise_unchanged():
     config = KdaConfig(heads=2, tokens=4, split=8)
-    key = jax.random.key(11)
-    params = random_params(key, config)
-    cache = random_cache(jax.random.fold_in(key, 1), config, NUM_SLOTS, NUM_RECORDS)
-    slots, rows = batch(np.random.default_rng(11), edge_cases=True)
-    inputs = random_inputs(jax.random.fold_in(key, 2), config, slots, rows)
+    params, cache, inputs = problem(config, seed=11, edge_cases=True)
+    slots, rows = inputs.slots, inputs.record_rows
     before = jax.tree.map(np.asarray, cache)
     _, after = kernel_step(config)(params, copy(cache), inputs)
     live = (np.asarray(slots) > 0) & (np.asarray(slots) < NUM_SLOTS)
@@ -258,11 +260,7 @@ def test_eager_dlpack_and_cuda_graph_match_the_custom_call():
     from jax_kda.ffi import eager_verify
 
     config = KdaConfig(heads=3, tokens=4, split=2)
-    key = jax.random.key(13)
-    params = random_params(key, config)
-    cache = random_cache(jax.random.fold_in(key, 1), config, NUM_SLOTS, NUM_RECORDS)
-    slots, rows = batch(np.random.default_rng(13), edge_cases=True)
-    inputs = random_inputs(jax.random.fold_in(key, 2), config, slots, rows)
+    params, cache, inputs = problem(config, seed=13, edge_cases=True)
     out_jax, cache_jax = kernel_step(config)(params, copy(cache), inputs)
     expected = jax.tree.map(np.asarray, (out_jax, cache_jax))
 

@@ -1,0 +1,175 @@
+"""What the benchmark measures with, and what it counts.
+
+- `Budget`: the wall-clock allowance of the whole run (the device call has 8 minutes).
+- Byte models: the fewest bytes each implementation must move per call (each operand
+  read once, each result written once), and the cache layout per request.
+- Timers: CUDA events around single launches, CUDA-graph replay of many launches
+  (torch), and a jitted `lax.fori_loop` of many calls for anything under JAX.
+- The device-to-device copy bandwidth, the ceiling every fraction is taken against.
+
+Sizes: B requests, T tokens, H heads, K = 128, RQ record tokens.
+"""
+from __future__ import annotations
+
+import statistics
+import time
+
+from jax_kda.config import CONV_TAPS, K
+
+F32, BF16, I32 = 4, 2, 4
+ROTATE_BYTES = 512 << 20  # data touched per rotation cycle: 8x the H200's 60 MB L2
+MAX_SETS = 64
+KIMI_HEADS, KIMI_LAYERS = 32, 20  # a Kimi-Linear KDA layer, and the model's KDA layers
+
+
+class Budget:
+    """Seconds left of `total_s`; `allows(cost)` keeps `reserve_s` for writing results."""
+
+    def __init__(self, total_s: float, reserve_s: float = 20.0):
+        self.start, self.total_s, self.reserve_s = time.perf_counter(), total_s, reserve_s
+
+    def elapsed(self) -> float:
+        return time.perf_counter() - self.start
+
+    def left(self) -> float:
+        return self.total_s - self.elapsed()
+
+    def allows(self, cost_s: float) -> bool:
+        return self.left() - self.reserve_s >= cost_s
+
+
+def rotation_sets(bytes_per_call: int) -> int:
+    """How many disjoint operand sets to cycle through so a set is cold when it returns."""
+    return max(1, min(MAX_SETS, -(-ROTATE_BYTES // max(bytes_per_call, 1))))
+
+
+def param_bytes(H: int) -> int:
+    """conv_weight + conv_bias (f32), a_log, dt_bias, f_b (bf16), norm_weight (f32)."""
+    return (3 * CONV_TAPS * H * K + 3 * H * K + H + H * K) * F32 + H * K * K * BF16 + K * F32
+
+
+def verify_bytes(H: int, T: int, B: int, n_total: int, state_writes: int) -> dict:
+    """Bytes one fused verify must move: the state read once and written once per request
+    with n > 0 (`state_writes` of them), the n accepted records read (`n_total` tokens
+    over the batch), T records written, the conv history read and window written, the
+    token inputs read, the output written and the weights read once."""
+    state = H * K * K * F32
+    record = H * (K * F32 + 2 * K * BF16)  # one token's correction row and key + gate
+    parts = {
+        "state_read": B * state,
+        "state_write": state_writes * state,
+        "records_read": n_total * record,
+        "records_write": B * T * record,
+        "window": B * 3 * H * K * (3 + T + 2) * BF16,
+        "inputs": B * T * (3 * H * K + K + H + H * K) * BF16 + 2 * B * I32 + B * I32,
+        "output": B * T * H * K * BF16,
+        "params": param_bytes(H),
+    }
+    parts["total"] = sum(parts.values())
+    return parts
+
+
+def fla_recurrence_bytes(H: int, T: int, B: int) -> dict:
+    """Bytes fla's `fused_recurrent_kda` must move in the stock speculative layout: one
+    state read, one state written per verify token, q, k, v and raw gate in, beta in,
+    the bf16 output out, the per-token state indices and accepted counts."""
+    state = H * K * K * F32
+    parts = {
+        "state_read": B * state,
+        "state_write": B * T * state,
+        "inputs": B * T * H * (4 * K + 1) * BF16 + B * (T + 1) * I32 + H * (K + 1) * F32,
+        "output": B * T * H * K * BF16,
+    }
+    parts["total"] = sum(parts.values())
+    return parts
+
+
+def memory_per_request(H: int, T: int) -> dict:
+    """Cache bytes per request: our layout (one checkpoint, the conv window, one record
+    row of RQ = T tokens, pending) against the stock speculative layout (one FP32 state
+    per verify token, a conv window of 3 + T - 1 positions)."""
+    state = H * K * K * F32
+    ours = (state + 3 * H * K * (T + 2) * BF16 + H * T * K * F32 + H * T * 2 * K * BF16 + I32)
+    stock = T * state + 3 * H * K * (3 + T - 1) * BF16
+    return {"T": T, "heads": H, "ours_bytes": ours, "stock_bytes": stock,
+            "ours_over_stock": ours / stock}
+
+
+def median(values):
+    return statistics.median(values) if values else None
+
+
+def torch_event_times(torch, fn, sets: int, reps: int, warmup: int = 3):
+    """Seconds per call of `fn(i)` launched one by one, CUDA events around each launch;
+    the median of `reps` calls cycling over `sets` operand sets."""
+    for i in range(warmup):
+        fn(i % sets)
+    torch.cuda.synchronize()
+    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+              for _ in range(reps)]
+    for i, (start, end) in enumerate(events):
+        start.record()
+        fn(i % sets)
+        end.record()
+    torch.cuda.synchronize()
+    return median([s.elapsed_time(e) * 1e-3 for s, e in events])
+
+
+def torch_graph_time(torch, fn, sets: int, calls: int, replays: int):
+    """Seconds per call of `fn(i)` from replays of one CUDA graph of `calls` launches
+    (cycling over `sets`), events around each replay; median over `replays`."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up on a side stream, as torch's capture wants
+        for i in range(min(sets, 3)):
+            fn(i)
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+        for i in range(calls):
+            fn(i % sets)
+    for _ in range(2):
+        graph.replay()
+    torch.cuda.synchronize()
+    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+              for _ in range(replays)]
+    for start, end in events:
+        start.record()
+        graph.replay()
+        end.record()
+    torch.cuda.synchronize()
+    del graph
+    return median([s.elapsed_time(e) * 1e-3 for s, e in events]) / calls
+
+
+def wall_times(fn, reps: int):
+    """Seconds of `fn()` (which must block until its work is done), median of reps."""
+    times = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return median(times)
+
+
+def copy_bandwidth(torch=None, nbytes: int = 1 << 30, reps: int = 20) -> dict:
+    """Device-to-device copy of `nbytes` (bytes read + bytes written over the median
+    time): through torch where CUDA is there, else a jitted JAX copy (dry runs)."""
+    if torch is not None and torch.cuda.is_available():
+        src = torch.randn(nbytes // 4, device="cuda")
+        dst = torch.empty_like(src)
+        seconds = torch_event_times(torch, lambda i: dst.copy_(src), 1, reps)
+        how = "torch dst.copy_(src), CUDA events"
+        del src, dst
+    else:
+        import jax
+        import jax.numpy as jnp
+
+        src = jax.random.normal(jax.random.key(0), (nbytes // 4,), jnp.float32)
+        copy = jax.jit(lambda a: a + 1.0)
+        copy(src).block_until_ready()
+        seconds = wall_times(lambda: copy(src).block_until_ready(), reps)
+        how = "jax jit(a + 1.0), wall clock"
+    return {"bytes": 2 * nbytes, "seconds": seconds, "tbps": 2 * nbytes / seconds / 1e12,
+            "how": how}

@@ -36,10 +36,8 @@ WHAT_WAS_TIMED = """\
   the whole loop / N.
 - **chunked_verify / stock_verify (XLA)**: `reference.chunked_verify` and
   `reference.stock_verify` (jitted) in the same fori_loop: what a JAX user has without us.
-  Their cache holds only the B + 1 slots of the batch (no rotation): XLA's scatter of the
-  new state into the cache copies the whole state buffer per call (seen in the compiled
-  HLO), so a larger cache would only slow them further; at small B their state may sit
-  in L2. Both favour the references.
+  Their cache holds only the B + 1 slots of the batch (no rotation), so at small B their
+  state may sit in L2, which favours them.
 - **fla recurrence**: `fla.ops.kda.fused_recurrent.fused_recurrent_kda_fwd` (fla-core
   wheel, Triton) as vLLM's spec-decode path calls it: state pool updated in place, per-token
   state indices [B, T] and accepted counts [B] (one FP32 state written per verify token),

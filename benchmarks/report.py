@@ -32,8 +32,10 @@ WHAT_WAS_TIMED = """\
 - **ours (jitted fused_verify)**: `fused_verify(..., backend="cutedsl")` inside a jitted
   `lax.fori_loop` of N calls with the cache carried (donated): the per-call time includes
   XLA's launch gaps and one small dynamic-slice of the slot and record-row arrays per call
-  (the state rotates through the slots; the token inputs stay the same). Wall clock over
-  the whole loop / N.
+  (the state rotates through the slots; the token inputs stay the same), and each
+  iteration of XLA's while loop, whose condition XLA on GPUs can read back on the host:
+  an upper bound on the cost of a call under jit, not the straight-line overhead that
+  the 20-layer step measures. Wall clock over the whole loop / N.
 - **chunked_verify / stock_verify (XLA)**: `reference.chunked_verify` and
   `reference.stock_verify` (jitted) in the same fori_loop: what a JAX user has without us.
   Their cache holds only the B + 1 slots of the batch (no rotation), so at small B their

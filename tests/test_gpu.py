@@ -19,6 +19,7 @@ from jax_kda import KdaCache, KdaConfig, accept, fused_verify
 from jax_kda.reference import chunked_verify, stock_verify
 from jax_kda.testing import random_accepted, random_cache, random_inputs, random_params
 from jax_kda.verify import cutedsl_supported
+from poison import poison
 
 pytestmark = [
     pytest.mark.gpu,
@@ -75,17 +76,6 @@ def problem(config, seed, edge_cases):
     return (random_params(key, config),
             random_cache(jax.random.fold_in(key, 1), config, NUM_SLOTS, NUM_RECORDS),
             random_inputs(jax.random.fold_in(key, 2), config, slots, rows))
-
-
-def poison(cache, config):
-    """NaN wherever the verify may not read: the null slot, records past pending."""
-    n = np.clip(np.asarray(cache.pending), 0, config.rq)
-    unread = (np.arange(config.rq)[None, :] >= n[:, None])[:, None, :]
-    return KdaCache(
-        state=cache.state.at[0].set(jnp.nan), conv=cache.conv.at[0].set(jnp.nan),
-        corrections=jnp.where(unread[..., None], jnp.nan, cache.corrections),
-        key_gates=jnp.where(unread[..., None, None], jnp.nan, cache.key_gates),
-        pending=cache.pending)
 
 
 def copy(tree):

@@ -12,8 +12,9 @@ import jax.numpy as jnp
 import pytest
 
 import numpy_model
-from jax_kda import KdaCache, KdaConfig, accept
+from jax_kda import KdaConfig, accept
 from jax_kda.testing import random_accepted
+from poison import poison
 
 # Worst error allowed per (compared with, quantity). Units: "out" is |a - e| over
 # |e| + the mean |e| of its (token, head) row; "state" and "corrections" are |a - e| over
@@ -60,18 +61,6 @@ def batch_indices(rng):
     batch = [batch[i] for i in rng.permutation(len(batch))]
     return (jnp.asarray([s for s, _ in batch], jnp.int32),
             jnp.asarray([r for _, r in batch], jnp.int32))
-
-
-def poison(cache, config):
-    """NaN where nothing may be read: the null slot, and every record past its pending
-    count (this step must overwrite those up to T and leave the rest)."""
-    state, conv = np.array(cache.state), np.array(cache.conv)
-    corrections, key_gates = np.array(cache.corrections), np.array(cache.key_gates)
-    state[0], conv[0] = np.nan, np.nan
-    for row, n in enumerate(np.clip(np.asarray(cache.pending), 0, config.rq)):
-        corrections[row, :, n:], key_gates[row, :, n:] = np.nan, np.nan
-    return KdaCache(*map(jnp.asarray, (state, conv, corrections, key_gates)),
-                    pending=cache.pending)
 
 
 def difference(actual, expected):

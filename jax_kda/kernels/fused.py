@@ -31,13 +31,13 @@ import cutlass.cute as cute
 from cutlass import BFloat16, Float32, Int32, Int64
 
 from jax_kda.config import K
+from jax_kda.layer import NORM_EPS
 from jax_kda.kernels.primitives import (RN, aligned, butterfly_sum, cp_async_16, decay, exp,
                                         inv_sqrt, load_vec, load_words, mma_bf16,
                                         push_f32, round_bf16, sigmoid, silu_bf16,
                                         store_f32x4_if, transpose_sum, tree_sum, wide)
 
 THREADS = 256
-NORM_EPS = 1e-6  # inside the L2 norms of q and k
 
 
 def pair_index(T, t, s, kind):

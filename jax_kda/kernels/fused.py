@@ -25,6 +25,8 @@ out [B, T, H, K] bf16. All row-major; every array is addressed from its base poi
 """
 from __future__ import annotations
 
+import math
+
 import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
@@ -47,6 +49,26 @@ def pair_index(T, t, s, kind):
     return T * (T - 1) // 2 + t * (t + 1) // 2 + s
 
 
+def row_major(*shape):
+    return cute.make_ordered_layout(shape, order=tuple(reversed(range(len(shape)))))
+
+
+def footprint(buffers):
+    """Bytes of the (dtype, shape) buffers laid out one after another, 16-byte aligned."""
+    return sum(-(-math.prod(shape) * dtype.width // 128) * 16 for dtype, shape in buffers)
+
+
+def carve(base, buffers):
+    """Row-major tensors for the (dtype, shape) buffers, one after another from the byte
+    pointer `base` (16-byte aligned each)."""
+    tensors, offset = [], 0
+    for dtype, shape in buffers:
+        tensors.append(cute.make_tensor(cute.recast_ptr(base + offset, dtype=dtype),
+                                        row_major(*shape)))
+        offset += footprint([(dtype, shape)])
+    return tensors
+
+
 class FusedVerify:
     """The kernel for one static configuration; `__call__` launches it on a stream.
 
@@ -65,6 +87,18 @@ class FusedVerify:
         self.lanes = THREADS * self.rows_per_thread // self.rows  # threads per row
         self.chunks = K // (4 * self.lanes)  # KCH: 4-key chunks per thread and row
         self.row_groups = self.rows // self.rows_per_thread  # G
+
+    def early_buffers(self):
+        """Staged operands read before the state pass: the window [3, K, RQ + 2], the
+        inputs x [T, 3, K] and the records [RQ, 2, K]."""
+        T, RQ = self.tokens, self.record_tokens
+        return [(BFloat16, (3, K, RQ + 2)), (BFloat16, (T, 3, K)), (BFloat16, (RQ, 2, K))]
+
+    def late_buffers(self):
+        """Written from the state pass on: Gamma k and Gamma q [2T, K], the rows' dots
+        [RC, 2T + 1] and outputs [T, RC]."""
+        T, RC = self.tokens, self.rows
+        return [(Float32, (2 * T, K)), (Float32, (RC, 2 * T + 1)), (Float32, (T, RC))]
 
     @cute.jit
     def __call__(self, stream: cuda.CUstream, x: cute.Tensor, f_a: cute.Tensor,
@@ -105,11 +139,15 @@ class FusedVerify:
         row0 = rank * RC
 
         smem = cutlass.memory.SmemAllocator()
-        row_major = lambda *shape: cute.make_ordered_layout(
-            shape, order=tuple(reversed(range(len(shape)))))
         staged = smem.allocate_tensor(Float32, row_major(RPT * KCH, THREADS, 4),
                                       byte_alignment=128)
-        xvec = smem.allocate_tensor(Float32, row_major(2 * T, K), byte_alignment=16)
+        # The item's small operands, staged by cp.async and read before the state pass,
+        # share their bytes with the state pass's vectors and the solve's results.
+        scratch = smem.allocate(max(footprint(self.early_buffers()),
+                                    footprint(self.late_buffers())), byte_alignment=128)
+        window_in, x_in, records_in = carve(scratch, self.early_buffers())
+        xvec, dots, outs = carve(scratch, self.late_buffers())
+        gate_in = smem.allocate_tensor(BFloat16, row_major(T, RC), byte_alignment=16)
         kp = smem.allocate_tensor(Float32, row_major(RQ, K), byte_alignment=16)
         old_decays = smem.allocate_tensor(Float32, row_major(RQ, K), byte_alignment=16)
         decay_n = smem.allocate_tensor(Float32, row_major(K), byte_alignment=16)
@@ -117,8 +155,6 @@ class FusedVerify:
         decays = smem.allocate_tensor(Float32, row_major(T, K), byte_alignment=16)
         raw_gates = smem.allocate_tensor(BFloat16, row_major(T, K), byte_alignment=16)
         values_v = smem.allocate_tensor(Float32, row_major(T, K), byte_alignment=16)
-        dots = smem.allocate_tensor(Float32, row_major(RC, 2 * T + 1), byte_alignment=16)
-        outs = smem.allocate_tensor(Float32, row_major(T, RC), byte_alignment=16)
         norm_sums = smem.allocate_tensor(Float32, row_major(T, 2, 4), byte_alignment=16)
         old_sums = smem.allocate_tensor(Float32, row_major(RQ, 4), byte_alignment=16)
         pairs = smem.allocate_tensor(Float32, row_major(NP, 4), byte_alignment=16)
@@ -135,8 +171,9 @@ class FusedVerify:
 
         slot, rec = slots[request], record_rows[request]
         live = (slot > 0) & (slot < num_slots)
+        has_records = (rec >= 0) & (rec < num_records)
+        activation_words = self.load_activations(f_a, request, tid)
         if live:
-            has_records = (rec >= 0) & (rec < num_records)
             n = Int32(0)
             if has_records:
                 n = cutlass.max(cutlass.min(pending[rec], Int32(RQ)), Int32(0))
@@ -146,17 +183,32 @@ class FusedVerify:
                     cute.arch.mbarrier_arrive_and_expect_tx(exchange, SPLIT * T * 4)
                     cute.arch.mbarrier_init_fence()
 
+            # Every read of the item is issued here, before anything waits on one: the
+            # small operands as one cp.async group, the state rows as the next.
+            W: cutlass.Constexpr = RQ + 2
+            self.stage(x_in, x, (wide(request) * 3 * T * H + head) * K, H * K, 3 * T, K,
+                       tid)
+            self.stage(gate_in, gate, (wide(request) * T * H + head) * K + row0, H * K, T,
+                       RC, tid)
+            self.stage(window_in, conv, self.window_base(slot, 0, head, 0), H * K * W, 3,
+                       K * W, tid)
+            if has_records:
+                self.stage(old_u, corrections, (wide(rec) * H + head) * RQ * K + row0, K,
+                           RQ, RC, tid)
+                self.stage(records_in, key_gates, (wide(rec) * H + head) * RQ * 2 * K, 0, 1,
+                           RQ * 2 * K, tid)
+            cute.arch.cp_async_commit_group()
             self.stream_rows(state, staged, slot, head, row0, tid)
-            activation_words = self.load_activations(f_a, request, tid)
-            self.load_corrections(corrections, old_u, rec, has_records, head, row0, tid)
-            activations, history, inputs = self.convolve(
-                x, conv, taps, bias, values_v, norm_sums, slot, n, request, head, tid)
-            self.load_records(key_gates, kp, old_decays, old_sums, a_exp, dt_channel,
-                              rec, has_records, n, head, tid)
-            self.gate_projection(activation_words, fb_words, dt_gate, a_exp, decays,
-                                 raw_gates, tid)
             if tid < T:
                 betas[tid] = sigmoid(Float32(beta[wide(request * T + tid) * H + head]))
+            self.gate_projection(activation_words, fb_words, dt_gate, a_exp, decays,
+                                 raw_gates, tid)
+            cute.arch.cp_async_wait_group(1)
+            cute.arch.barrier()
+            activations, history, inputs = self.convolve(window_in, x_in, taps, bias,
+                                                         values_v, norm_sums, n, tid)
+            self.load_records(records_in, kp, old_decays, old_sums, a_exp, dt_channel, n,
+                              tid)
             cute.arch.griddepcontrol_launch_dependents()
             cute.arch.barrier()
             if cutlass.const_expr(SPLIT > 1):
@@ -182,7 +234,7 @@ class FusedVerify:
             self.solve_rows(corrections, dots, pair_sums, values_v, betas, outs, rec,
                             has_records, head, row0, tid)
             cute.arch.barrier()
-            self.gated_norm(out, gate, outs, out_sums, received, exchange, nw, request,
+            self.gated_norm(out, gate_in, outs, out_sums, received, exchange, nw, request,
                             head, rank, row0, tid)
         else:
             if tid < RC:
@@ -243,19 +295,19 @@ class FusedVerify:
         cute.arch.cp_async_commit_group()
 
     @cute.jit
-    def load_corrections(self, corrections, old_u, rec, has_records, head, row0, tid):
-        """old_u[t, row] = the recorded u_t of this CTA's rows (all RQ issued at once;
-        only t < n is used)."""
-        H: cutlass.Constexpr = self.heads
-        RC: cutlass.Constexpr = self.rows
-        count: cutlass.Constexpr = self.record_tokens * RC
-        if has_records:
-            for i in cutlass.range_constexpr(-(-count // THREADS)):
-                index = tid + THREADS * i
-                if index < count:
-                    t, row = index // RC, index % RC
-                    old_u[t, row] = corrections[
-                        ((wide(rec) * H + head) * self.record_tokens + t) * K + row0 + row]
+    def stage(self, dst, src, base, stride, rows: cutlass.Constexpr,
+              row_elems: cutlass.Constexpr, tid):
+        """cp.async `rows` rows of `row_elems` elements (a multiple of 16 bytes) from
+        src + base + r stride into the contiguous shared tensor dst, 16 bytes a thread."""
+        per: cutlass.Constexpr = 128 // src.dtype.width  # elements per copy
+        row_copies: cutlass.Constexpr = row_elems // per
+        count: cutlass.Constexpr = rows * row_copies
+        for i in cutlass.range_constexpr(-(-count // THREADS)):
+            index = tid + THREADS * i
+            if index < count:
+                r, j = index // row_copies, index % row_copies
+                cp_async_16(dst.iterator + (r * row_elems + j * per),
+                            aligned(src, base + r * stride + j * per, 16))
 
     @cute.jit
     def window_base(self, slot, part, head, channel):
@@ -263,20 +315,14 @@ class FusedVerify:
         W: cutlass.Constexpr = self.record_tokens + 2
         return (((wide(slot) * 3 + part) * self.heads + head) * K + channel) * W
 
-    def input_offset(self, request, t, part, head, channel):
-        """Offset of x[request, t, part, head, channel]."""
-        return (((wide(request) * self.tokens + t) * 3 + part) * self.heads + head) * K + channel
-
     @cute.jit
-    def convolve(self, x, conv, taps, bias, values_v, norm_sums, slot, n, request, head,
-                 tid):
+    def convolve(self, window_in, x_in, taps, bias, values_v, norm_sums, n, tid):
         """The short convolution and SiLU of this thread's channel: q and k (section 0,
         rows 0 and 1; sums of squares per warp into norm_sums) or v (section 1, row 0;
-        into values_v). The whole window is loaded (no wait for n), then the history
-        window[o .. o+2], o = max(n - 1, 0), is picked. Returns the activations, the
-        history's last two values and the raw inputs (the new window)."""
+        into values_v), from the staged window (whole: staged before n was known) and
+        inputs. The history is window[o .. o+2], o = max(n - 1, 0). Returns the
+        activations, the history's last two values and the raw inputs (the new window)."""
         T: cutlass.Constexpr = self.tokens
-        W: cutlass.Constexpr = self.record_tokens + 2
         channel, section = tid % K, tid // K
         lane, warp = tid % 32, tid // 32
         offset = cutlass.max(n - 1, Int32(0))
@@ -289,18 +335,11 @@ class FusedVerify:
         for s in cutlass.range_constexpr(2):
             part = 2 * section + s
             if (section == 0) | (s == 0):
-                base = self.window_base(slot, part, head, channel)
-                window = cute.make_rmem_tensor(W, Float32)
-                for i in cutlass.range_constexpr(W):
-                    window[i] = Float32(conv[base + i])
                 seq = cute.make_rmem_tensor(T + 3, Float32)
                 for i in cutlass.range_constexpr(3):
-                    seq[i] = window[i]
-                    for o in cutlass.range_constexpr(1, W - 2):
-                        if offset == o:
-                            seq[i] = window[o + i]
+                    seq[i] = Float32(window_in[part, channel, offset + i])
                 for t in cutlass.range_constexpr(T):
-                    inputs[s, t] = Float32(x[self.input_offset(request, t, part, head, channel)])
+                    inputs[s, t] = Float32(x_in[t, part, channel])
                     seq[3 + t] = inputs[s, t]
                 for i in cutlass.range_constexpr(2):
                     history[s, i] = seq[1 + i]
@@ -321,32 +360,25 @@ class FusedVerify:
         return activations, history, inputs
 
     @cute.jit
-    def load_records(self, key_gates, kp, old_decays, old_sums, a_exp, dt_channel, rec,
-                     has_records, n, head, tid):
-        """Section 1: the recorded keys (into kp, normalized later), their decays and the
-        keys' sums of squares per warp; all RQ loads issued at once, t >= n masked."""
-        H: cutlass.Constexpr = self.heads
+    def load_records(self, records_in, kp, old_decays, old_sums, a_exp, dt_channel, n,
+                     tid):
+        """Section 1: the staged recorded keys (into kp, normalized later), their decays
+        and the keys' sums of squares per warp; t >= n (and every t when the request
+        has no record row: n = 0) masked."""
         RQ: cutlass.Constexpr = self.record_tokens
         channel, section = tid % K, tid // K
         lane, warp = tid % 32, tid // 32
         if section == 1:
-            if has_records:
-                keys = cute.make_rmem_tensor(RQ, Float32)
-                gates = cute.make_rmem_tensor(RQ, Float32)
-                for t in cutlass.range_constexpr(RQ):
-                    base = ((wide(rec) * H + head) * RQ + t) * 2 * K + channel
-                    keys[t] = Float32(key_gates[base])
-                    gates[t] = Float32(key_gates[base + K])
-                for t in cutlass.range_constexpr(RQ):
-                    key = Float32(0.0)
-                    if t < n:
-                        key = keys[t]
-                        kp[t, channel] = key
-                        old_decays[t, channel] = decay(gates[t], a_exp, dt_channel,
-                                                       self.lower_bound)
-                    squares = butterfly_sum(key * key, 32)
-                    if lane == 0:
-                        old_sums[t, warp - 4] = squares
+            for t in cutlass.range_constexpr(RQ):
+                key = Float32(0.0)
+                if t < n:
+                    key = Float32(records_in[t, 0, channel])
+                    kp[t, channel] = key
+                    old_decays[t, channel] = decay(Float32(records_in[t, 1, channel]), a_exp,
+                                                   dt_channel, self.lower_bound)
+                squares = butterfly_sum(key * key, 32)
+                if lane == 0:
+                    old_sums[t, warp - 4] = squares
 
     @cute.jit
     def load_activations(self, f_a, request, tid):
@@ -518,7 +550,7 @@ class FusedVerify:
                 outs[t, tid] = round_bf16(o)
 
     @cute.jit
-    def gated_norm(self, out, gate, outs, out_sums, received, exchange, nw, request, head,
+    def gated_norm(self, out, gate_in, outs, out_sums, received, exchange, nw, request, head,
                    rank, row0, tid):
         """out = bf16(o rsqrt(mean(o^2) + eps) norm_weight sigmoid(gate)) over the K value
         rows; the sums of squares of the cluster's CTAs meet in every CTA over DSMEM."""
@@ -552,7 +584,7 @@ class FusedVerify:
                     sumsq = tree_sum([out_sums[t, w] for w in range(NW)])
                 rstd = inv_sqrt(sumsq / K + self.eps)
                 where = wide((request * T + t) * H + head) * K + row
-                gated = sigmoid(Float32(gate[where]))
+                gated = sigmoid(Float32(gate_in[t, tid]))
                 out[where] = BFloat16(outs[t, tid] * rstd * nw * gated)
 
     @cute.jit

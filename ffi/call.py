@@ -42,22 +42,46 @@ def choose_split(items: int, sms: int) -> int:
     return SPLITS[-1]
 
 
+def kernel_split(config: KdaConfig, batch: int, has_bias: bool = True,
+                 sms: int | None = None) -> int:
+    """The split the kernel runs `config` with at `batch` requests: config.split, or
+    `choose_split`'s raised to the smallest whose CTA fits Hopper's shared memory (long
+    records need more). Raises ValueError, naming the need, where none fits."""
+    from jax_kda.kernels import SHARED_LIMIT, verify_kernel
+
+    if config.split is None:
+        first = choose_split(batch * config.heads, sm_count() if sms is None else sms)
+        candidates = [s for s in SPLITS if s >= first]
+    else:
+        candidates = [config.split]
+    for split in candidates:
+        need = verify_kernel(config, split, has_bias).shared_bytes()
+        if need <= SHARED_LIMIT:
+            return split
+    raise ValueError(
+        f"config: tokens={config.tokens}, record_tokens={config.rq}, split={split} needs "
+        f"{need / 1024:.0f} KiB of shared memory per CTA, more than the "
+        f"{SHARED_LIMIT // 1024} KiB of a Hopper SM; use a larger split (or split=None), "
+        f"fewer record_tokens, or backend='jax'")
+
+
 def cutedsl_verify(params: KdaParams, cache: KdaCache, inputs: VerifyInputs,
                    config: KdaConfig):
     """The fused CuTe DSL verify (SPEC.md sections 3-4) as a custom call.
 
     Same contract as `jax_kda.reference.chunked_verify`: returns (out [B, T, H, K]
-    bf16, cache). config.split None picks the split with `choose_split`.
+    bf16, cache). config.split None picks the split with `kernel_split`.
     """
     import cutlass.jax as cjax
 
     from jax_kda.kernels import verify_kernel
 
     B = check_verify(params, cache, inputs, config)
-    config = dataclasses.replace(config, split=config.split or choose_split(
-        B * config.heads, sm_count()))  # one compiled kernel per split, chosen or given
+    has_bias = params.conv_bias is not None
+    # one compiled kernel per split, chosen or given
+    config = dataclasses.replace(config, split=kernel_split(config, B, has_bias))
     # cached per static configuration: cutlass_call keys its compile cache on this object
-    kernel = verify_kernel(config, config.split, params.conv_bias is not None)
+    kernel = verify_kernel(config, config.split, has_bias)
     operands = (inputs.x, inputs.f_a, inputs.beta, inputs.gate, inputs.slots,
                 inputs.record_rows, params.conv_weight, params.conv_bias, params.a_log,
                 params.dt_bias, params.f_b, params.norm_weight, cache.state, cache.conv,

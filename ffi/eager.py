@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 
 from jax_kda.config import KdaConfig
-from jax_kda.ffi.call import choose_split, sm_count
+from jax_kda.ffi.call import kernel_split
 from jax_kda.pytrees import KdaCache, KdaParams, VerifyInputs
 
 FIELDS = ("x", "f_a", "beta", "gate", "slots", "record_rows", "conv_weight", "conv_bias",
@@ -68,7 +68,7 @@ def eager_verify(params: KdaParams, cache: KdaCache, inputs: VerifyInputs, out,
     if conv_dtype not in ("float32", "bfloat16") or norm_dtype not in ("float32", "bfloat16"):
         raise ValueError(f"conv_weight, norm_weight: expected float32 or bfloat16, got "
                          f"{conv_dtype}, {norm_dtype}")
-    split = config.split or choose_split(B * config.heads, sm_count())
+    split = kernel_split(config, B, has_bias)
     compiled = compile_verify(dataclasses.replace(config, split=split), split, has_bias,
                               conv_dtype, norm_dtype)
     tensors = [None if arrays[name] is None else

@@ -28,6 +28,17 @@ def cutedsl_supported(device=None) -> bool:
     return True
 
 
+def _kernel_fits(config: KdaConfig, batch: int, params: KdaParams) -> bool:
+    """Whether some split of the kernel fits the shared memory (see `kernel_split`)."""
+    from jax_kda.ffi import kernel_split
+
+    try:
+        kernel_split(config, batch, params.conv_bias is not None)
+    except ValueError:
+        return False
+    return True
+
+
 def fused_verify(params: KdaParams, cache: KdaCache, inputs: VerifyInputs,
                  config: KdaConfig, *, backend: str = "auto"):
     """Replays each request's accepted tokens into its checkpoint, verifies this step's
@@ -40,7 +51,7 @@ def fused_verify(params: KdaParams, cache: KdaCache, inputs: VerifyInputs,
       config: the static `KdaConfig`.
       backend: "cutedsl" (the fused CuTe DSL kernel, CUDA GPUs of compute capability
         >= 9.0), "jax" (the chunked form in XLA, any device) or "auto" (the kernel
-        where it runs, else "jax").
+        where it runs and its CTA fits the shared memory, else "jax").
 
     Returns:
       (out [B, T, H, K] bf16, cache). Inside `jax.jit` with the cache donated, the
@@ -53,9 +64,10 @@ def fused_verify(params: KdaParams, cache: KdaCache, inputs: VerifyInputs,
     """
     if backend not in BACKENDS:
         raise ValueError(f"backend: expected one of {BACKENDS}, got {backend!r}")
-    check_verify(params, cache, inputs, config)
+    batch = check_verify(params, cache, inputs, config)
     if backend == "auto":
-        backend = "cutedsl" if cutedsl_supported() else "jax"
+        backend = "cutedsl" if cutedsl_supported() and _kernel_fits(config, batch,
+                                                                     params) else "jax"
     if backend == "jax":
         return chunked_verify(params, cache, inputs, config)
     from jax_kda.ffi import cutedsl_verify  # the kernel and its custom call, lazily

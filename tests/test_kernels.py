@@ -3,6 +3,7 @@ CUDA with jax.export (CuTe DSL compiles the kernel for sm_90a during lowering) a
 the cache buffers in place; configurations compile without spills; the split heuristic;
 the eager entry point's argument errors.
 """
+import dataclasses
 import functools
 import re
 
@@ -16,7 +17,7 @@ pytest.importorskip("cutlass", reason="needs nvidia-cutlass-dsl")
 from jax import export  # noqa: E402
 
 from jax_kda import KdaConfig, fused_verify  # noqa: E402
-from jax_kda.ffi import choose_split, eager_verify  # noqa: E402
+from jax_kda.ffi import choose_split, eager_verify, kernel_split  # noqa: E402
 from jax_kda.testing import random_cache, random_inputs, random_params  # noqa: E402
 
 pytestmark = pytest.mark.kernels
@@ -71,6 +72,18 @@ def test_compiles_without_spills():
                                                 (4, 132, 8), (1, 132, 8)])
 def test_choose_split(items, sms, expected):
     assert choose_split(items, sms) == expected
+
+
+def test_kernel_split_fits_the_shared_memory():
+    """Long records outgrow one CTA's shared memory at split 1 (248 KiB for RQ = 64):
+    split None moves up to the next split that fits, an explicit split 1 is refused
+    with the need named; at RQ = T the heuristic's split stands."""
+    long = KdaConfig(heads=2, tokens=2, record_tokens=64)
+    assert choose_split(64 * 2, 132) == 1
+    assert kernel_split(long, 64, sms=132) == 2
+    with pytest.raises(ValueError, match=r"split=1 needs 248 KiB of shared memory"):
+        kernel_split(dataclasses.replace(long, split=1), 64)
+    assert kernel_split(KdaConfig(heads=32, tokens=8), 64, sms=132) == 1
 
 
 def test_eager_rejects_a_wrong_shape_before_any_launch():

@@ -35,8 +35,8 @@ from cutlass import BFloat16, Float32, Int32, Int64
 from jax_kda.config import K
 from jax_kda.layer import NORM_EPS
 from jax_kda.kernels.primitives import (RN, aligned, butterfly_sum, cp_async_16, decay, exp,
-                                        inv_sqrt, load_vec, load_words, mma_bf16,
-                                        push_f32, round_bf16, sigmoid, silu_bf16,
+                                        inv_sqrt, load_i32_pair, load_vec, load_words,
+                                        mma_bf16, push_f32, round_bf16, sigmoid, silu_bf16,
                                         store_f32x4_if, transpose_sum, tree_sum, wide)
 
 THREADS = 256
@@ -88,6 +88,10 @@ class FusedVerify:
         self.chunks = K // (4 * self.lanes)  # KCH: 4-key chunks per thread and row
         self.row_groups = self.rows // self.rows_per_thread  # G
 
+    def staged_shape(self):
+        """The state rows in flight: [RPT x KCH, THREADS, 4] f32, each thread's own."""
+        return (self.rows_per_thread * self.chunks, THREADS, 4)
+
     def early_buffers(self):
         """Staged operands read before the state pass: the window [3, K, RQ + 2], the
         inputs x [T, 3, K] and the records [RQ, 2, K]."""
@@ -99,6 +103,27 @@ class FusedVerify:
         [RC, 2T + 1] and outputs [T, RC]."""
         T, RC = self.tokens, self.rows
         return [(Float32, (2 * T, K)), (Float32, (RC, 2 * T + 1)), (Float32, (T, RC))]
+
+    def scratch_bytes(self):
+        return max(footprint(self.early_buffers()), footprint(self.late_buffers()))
+
+    def shared_buffers(self):
+        """The other shared buffers, in allocation order: name -> (dtype, shape)."""
+        T, RQ, RC, NP = self.tokens, self.record_tokens, self.rows, self.tokens ** 2
+        return {"gate_in": (BFloat16, (T, RC)), "kp": (Float32, (RQ, K)),
+                "old_decays": (Float32, (RQ, K)), "decay_n": (Float32, (K,)),
+                "old_u": (Float32, (RQ, RC)), "decays": (Float32, (T, K)),
+                "raw_gates": (BFloat16, (T, K)), "values_v": (Float32, (T, K)),
+                "norm_sums": (Float32, (T, 2, 4)), "old_sums": (Float32, (RQ, 4)),
+                "pairs": (Float32, (NP, 4)), "pair_sums": (Float32, (NP,)),
+                "betas": (Float32, (T,)), "out_sums": (Float32, (T, 4)),
+                "received": (Float32, (self.split, T))}
+
+    def shared_bytes(self):
+        """Dynamic shared memory per CTA (an upper bound: every alignment padded)."""
+        staged = footprint([(Float32, self.staged_shape())])
+        return (staged + 128 + self.scratch_bytes() + 128
+                + footprint(self.shared_buffers().values()) + 16 + 8)
 
     @cute.jit
     def __call__(self, stream: cuda.CUstream, x: cute.Tensor, f_a: cute.Tensor,
@@ -130,8 +155,6 @@ class FusedVerify:
         H: cutlass.Constexpr = self.heads
         SPLIT: cutlass.Constexpr = self.split
         RC: cutlass.Constexpr = self.rows
-        RPT: cutlass.Constexpr = self.rows_per_thread
-        KCH: cutlass.Constexpr = self.chunks
         NP: cutlass.Constexpr = T * T
         tid, _, _ = cute.arch.thread_idx()
         rank, head, request = cute.arch.block_idx()
@@ -139,29 +162,17 @@ class FusedVerify:
         row0 = rank * RC
 
         smem = cutlass.memory.SmemAllocator()
-        staged = smem.allocate_tensor(Float32, row_major(RPT * KCH, THREADS, 4),
+        staged = smem.allocate_tensor(Float32, row_major(*self.staged_shape()),
                                       byte_alignment=128)
         # The item's small operands, staged by cp.async and read before the state pass,
         # share their bytes with the state pass's vectors and the solve's results.
-        scratch = smem.allocate(max(footprint(self.early_buffers()),
-                                    footprint(self.late_buffers())), byte_alignment=128)
+        scratch = smem.allocate(self.scratch_bytes(), byte_alignment=128)
         window_in, x_in, records_in = carve(scratch, self.early_buffers())
         xvec, dots, outs = carve(scratch, self.late_buffers())
-        gate_in = smem.allocate_tensor(BFloat16, row_major(T, RC), byte_alignment=16)
-        kp = smem.allocate_tensor(Float32, row_major(RQ, K), byte_alignment=16)
-        old_decays = smem.allocate_tensor(Float32, row_major(RQ, K), byte_alignment=16)
-        decay_n = smem.allocate_tensor(Float32, row_major(K), byte_alignment=16)
-        old_u = smem.allocate_tensor(Float32, row_major(RQ, RC), byte_alignment=16)
-        decays = smem.allocate_tensor(Float32, row_major(T, K), byte_alignment=16)
-        raw_gates = smem.allocate_tensor(BFloat16, row_major(T, K), byte_alignment=16)
-        values_v = smem.allocate_tensor(Float32, row_major(T, K), byte_alignment=16)
-        norm_sums = smem.allocate_tensor(Float32, row_major(T, 2, 4), byte_alignment=16)
-        old_sums = smem.allocate_tensor(Float32, row_major(RQ, 4), byte_alignment=16)
-        pairs = smem.allocate_tensor(Float32, row_major(NP, 4), byte_alignment=16)
-        pair_sums = smem.allocate_tensor(Float32, row_major(NP), byte_alignment=16)
-        betas = smem.allocate_tensor(Float32, row_major(T), byte_alignment=16)
-        out_sums = smem.allocate_tensor(Float32, row_major(T, 4), byte_alignment=16)
-        received = smem.allocate_tensor(Float32, row_major(SPLIT, T), byte_alignment=16)
+        (gate_in, kp, old_decays, decay_n, old_u, decays, raw_gates, values_v, norm_sums,
+         old_sums, pairs, pair_sums, betas, out_sums, received) = [
+            smem.allocate_tensor(dtype, row_major(*shape), byte_alignment=16)
+            for dtype, shape in self.shared_buffers().values()]
         exchange = smem.allocate_array(Int64, 1, byte_alignment=8)
 
         # The weights: the only operands no earlier op of the program can be writing.
@@ -169,7 +180,7 @@ class FusedVerify:
             conv_weight, conv_bias, a_log, dt_bias, f_b, norm_weight, head, tid)
         cute.arch.griddepcontrol_wait()
 
-        slot, rec = slots[request], record_rows[request]
+        slot, rec = load_i32_pair(slots, request, record_rows, request)
         live = (slot > 0) & (slot < num_slots)
         has_records = (rec >= 0) & (rec < num_records)
         activation_words = self.load_activations(f_a, request, tid)

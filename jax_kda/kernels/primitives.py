@@ -36,6 +36,16 @@ def load_words(ptr, offset):
     return pair[0], pair[1]
 
 
+def load_i32_pair(ptr_a, offset_a, ptr_b, offset_b):
+    """The Int32s at `ptr_a + offset_a` and `ptr_b + offset_b`, both issued before either
+    is used: volatile, so that ptxas cannot sink the second into the branch that uses it
+    (which would wait for the first load before issuing it)."""
+    return cute.arch.inline_ptx(
+        "ld.volatile.global.b32 {$w0}, [{$r0}];\n\tld.volatile.global.b32 {$w1}, [{$r1}];",
+        write_only_types=[Int32, Int32],
+        read_only_args=[aligned(ptr_a, offset_a, 4), aligned(ptr_b, offset_b, 4)])
+
+
 def cp_async_16(smem_ptr, gmem_ptr):
     """cp.async.cg of 16 bytes, global -> shared; the caller commits and waits."""
     cute.arch.inline_ptx("cp.async.cg.shared.global [{$r0}], [{$r1}], 16;",

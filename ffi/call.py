@@ -33,9 +33,9 @@ def choose_split(items: int, sms: int) -> int:
     """CTAs per (request, head) for `items` = B x H on `sms` SMs: the smallest split at
     which the grid puts a CTA on a quarter of the SMs. A large batch streams each state
     with one CTA (the per-token operands computed once per item); a small one spreads
-    its rows (B = 1, H = 32 on 132 SMs: split 2). Measured on the H200 at T = 4 (us):
-    B = 1: split 1 11.2, 2 9.9, 4 10.3, 8 17.9; B = 8: 1 20.9, 2 29.2; B = 64: 1 157,
-    2 232 (tests/GPU_RESULTS.md)."""
+    its rows (B = 1, H = 32 on 132 SMs: split 2). Measured on the H200 at T = 4 (us,
+    benchmarks/RESULTS.md): B = 1: split 1 10.0, 2 9.5, 4 9.8, 8 16.8; B = 4: 1 12.8,
+    2 14.1; B = 64: 1 119.9, 2 197.6."""
     for split in SPLITS:
         if items * split >= sms // 4:
             return split

@@ -6,12 +6,13 @@ set -u
 limit=${1:-300}
 python -m pip install -q --no-deps --no-build-isolation --no-index -e . >/dev/null 2>&1
 export XLA_PYTHON_CLIENT_PREALLOCATE=false KDA_GPU_LOG=$OUT/errors.jsonl PYTHONUNBUFFERED=1
-python -m pytest tests/test_gpu.py --collect-only -q -p no:cacheprovider | grep :: > /tmp/ids
-split -n r/15 /tmp/ids /tmp/shard_
-for f in /tmp/shard_*; do
+work=$(mktemp -d)  # fresh: a warm machine keeps /tmp between calls
+python -m pytest tests/test_gpu.py --collect-only -q -p no:cacheprovider | grep :: > "$work/ids"
+split -n r/15 "$work/ids" "$work/shard_"
+for f in "$work"/shard_*; do
   timeout "$limit" python -m pytest -q -p no:cacheprovider $(cat "$f") > "$f.log" 2>&1 &
 done
 wait
-cat /tmp/shard_*.log > "$OUT/pytest.log"
-grep -h "^FAILED\|^E  " /tmp/shard_*.log | cut -c1-240 | head -20
-grep -h -E "passed|failed|error" /tmp/shard_*.log | grep -v "^E " | sort | uniq -c
+cat "$work"/shard_*.log > "$OUT/pytest.log"
+grep -h "^FAILED\|^E  " "$work"/shard_*.log | cut -c1-240 | head -20
+grep -h -E "passed|failed|error" "$work"/shard_*.log | grep -v "^E " | sort | uniq -c

@@ -7,10 +7,12 @@ state rows [rank RC, (rank + 1) RC), RC = 128 / split, and every CTA of the item
 recomputes the shared per-token operands (convolution, norms, gate projection, pair
 products). Thread (g, l) of the state pass holds rows g + G r (r < RPT) and the 4-key
 chunks l + LANES c (c < KCH) of them, LANES threads per row; its rows arrive by cp.async
-while the operands are computed. The gated RMSNorm's sums of squares cross the cluster
-through distributed shared memory. Only rank 0 writes the per-item records (keys, raw
-gates) and the convolution window, right after the prologue, once a cluster barrier
-shows that every CTA of the item has read the old ones.
+while the operands are computed. Every read of an item is issued before any is waited
+on (latency, not bandwidth, bounds a CTA's life): the small operands as one cp.async
+group into shared memory, the state rows as the next. The gated RMSNorm's sums of
+squares cross the cluster through distributed shared memory. Only rank 0 writes the
+per-item records (keys, raw gates) and the convolution window, right after the
+prologue, once a cluster barrier shows that every CTA of the item has read the old ones.
 
 Before `griddepcontrol.wait` the kernel reads only the weights: under XLA the kernel
 that runs just before it may write any other operand (an `accept` scatter, a copy).

@@ -96,11 +96,11 @@ def accepted_tokens(cache, sets):
     return int(n.sum()), int((n > 0).sum())
 
 
-def auto_split_label(items):
-    """"auto(s)" with the split the kernel picks for `items` = B x H, or "auto"."""
+def auto_split_label(config, batch):
+    """"auto(s)" with the split the kernel runs `config` with at `batch`, or "auto"."""
     try:
-        from jax_kda.ffi.call import choose_split, sm_count
-        return f"auto({choose_split(items, sm_count())})"
+        from jax_kda.ffi import kernel_split
+        return f"auto({kernel_split(config, batch)})"
     except Exception:  # noqa: BLE001 - only a label
         return "auto"
 
@@ -321,7 +321,7 @@ class Bench:
         kernel = peers.KernelEager(self.torch, params, cache, sets, config)
         events, graph, note = self.torch_timings(kernel, nsets, B)
         del kernel
-        label = split if split else auto_split_label(B * H)
+        label = split if split else auto_split_label(config, B)
         rows = [self.point("ours-eager", T, B, label, events, nbytes, method="events",
                            sets=nsets, note=note)]
         if graph:

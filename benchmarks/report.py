@@ -26,7 +26,7 @@ WHAT_WAS_TIMED = """\
 - **ours (kernel, eager)**: the fused CuTe DSL kernel through `jax_kda.ffi.eager_verify` on
   torch tensors (no XLA): CUDA events around each launch (`events`), and CUDA-graph replay
   of a captured sequence of launches (`graph`, for B <= 64). Split `auto` is the split
-  `choose_split` picks; the bytes are the state read once and written once per request with
+  `kernel_split` picks; the bytes are the state read once and written once per request with
   n > 0, the n accepted and T new records, the conv history and window, the inputs, the
   output and the weights.
 - **ours (jitted fused_verify)**: `fused_verify(..., backend="cutedsl")` inside a jitted

@@ -12,7 +12,7 @@ import numpy as np
 import torch
 
 from jax_kda import KdaConfig
-from jax_kda.ffi import choose_split, eager_verify
+from jax_kda.ffi import eager_verify, kernel_split
 from jax_kda.testing import random_cache, random_inputs, random_params
 from gpu_sanitize import to_torch
 
@@ -58,7 +58,8 @@ def main():
         nsets = max(2, -(-(128 << 20) // (B * H * 128 * 128 * 4)))  # 128 MB between reuses
         for split in splits:
             micros, tbps = measure(B, H, T, split, nsets)
-            label = f"auto={choose_split(B * H, sms)}" if split is None else str(split)
+            label = (f"auto={kernel_split(KdaConfig(heads=H, tokens=T), B, sms=sms)}"
+                     if split is None else str(split))
             print(f"{B:>4} {H:>3} {T:>2} {label:>6} {micros:8.2f} {tbps:10.2f}", flush=True)
 
 

@@ -34,8 +34,8 @@ def choose_split(items: int, sms: int) -> int:
     which the grid puts a CTA on a quarter of the SMs. A large batch streams each state
     with one CTA (the per-token operands computed once per item); a small one spreads
     its rows (B = 1, H = 32 on 132 SMs: split 2). Measured on the H200 at T = 4 (us,
-    benchmarks/RESULTS.md): B = 1: split 1 10.0, 2 9.5, 4 9.8, 8 16.8; B = 4: 1 12.8,
-    2 14.1; B = 64: 1 119.9, 2 197.6."""
+    benchmarks/RESULTS.md): B = 1: split 1 7.7, 2 7.5, 4 8.6, 8 15.1; B = 4: 1 9.6,
+    2 11.1; B = 64: 1 96.4, 2 153.3."""
     for split in SPLITS:
         if items * split >= sms // 4:
             return split

@@ -276,3 +276,60 @@ def test_eager_dlpack_and_cuda_graph_match_the_custom_call():
     torch.cuda.synchronize()
     for a, b in zip(bits((g_out, g_cache)), jax.tree.leaves(expected)):
         np.testing.assert_array_equal(a, b.view(np.uint8) if b.dtype == jnp.bfloat16 else b)
+
+
+def test_fast_division_and_root_give_the_ieee_bits():
+    """primitives.quotients and roots (a branch-free fast path for a batch, the IEEE
+    operations for the whole batch if any operand or result leaves [2^-100, 2^100]) give
+    the bits of div.rn and sqrt.rn: random operands, most inside the fast range, 3% of
+    them any bit pattern (zero, denormal, huge, inf, NaN) to send batches to the IEEE
+    path."""
+    torch = pytest.importorskip("torch")
+    import cutlass
+    import cutlass.cute as cute
+    from cutlass.cute.runtime import from_dlpack
+
+    from jax_kda.kernels.primitives import quotients, roots
+
+    batch, threads, blocks = 4, 128, 2048
+    size = batch * threads * blocks
+
+    @cute.kernel
+    def probe(x: cute.Tensor, y: cute.Tensor, q: cute.Tensor, q_ieee: cute.Tensor,
+              r: cute.Tensor, r_ieee: cute.Tensor):
+        tid, _, _ = cute.arch.thread_idx()
+        block, _, _ = cute.arch.block_idx()
+        first = (block * threads + tid) * batch
+        nums = [x[first + i] for i in range(batch)]
+        dens = [y[first + i] for i in range(batch)]
+        fast, fast_roots = quotients(nums, dens), roots(dens)
+        for i in cutlass.range_constexpr(batch):
+            q[first + i], q_ieee[first + i] = fast[i], nums[i] / dens[i]
+            r[first + i], r_ieee[first + i] = fast_roots[i], cute.math.sqrt(dens[i])
+
+    @cute.jit
+    def launch(x: cute.Tensor, y: cute.Tensor, q: cute.Tensor, q_ieee: cute.Tensor,
+               r: cute.Tensor, r_ieee: cute.Tensor):
+        probe(x, y, q, q_ieee, r, r_ieee).launch(grid=(blocks, 1, 1), block=(threads, 1, 1))
+
+    rng = np.random.default_rng(7)
+
+    def operands(positive):
+        values = rng.uniform(1, 2, size) * 2.0 ** rng.uniform(-95, 95, size)
+        if not positive:
+            values *= rng.choice([-1.0, 1.0], size)
+        values = values.astype(np.float32)
+        wild = rng.random(size) < 0.03
+        values[wild] = rng.integers(0, 2**32, wild.sum(), dtype=np.uint32).view(np.float32)
+        return torch.from_numpy(values).cuda()
+
+    x, y = operands(False), operands(True)
+    outputs = [torch.full((size,), float("nan"), device="cuda") for _ in range(4)]
+    tensors = [from_dlpack(t, assumed_align=16) for t in (x, y, *outputs)]
+    cute.compile(launch, *tensors)(*tensors)
+    torch.cuda.synchronize()
+    q, q_ieee, r, r_ieee = (t.cpu().numpy() for t in outputs)
+    for fast, ieee in ((q, q_ieee), (r, r_ieee)):
+        nan = np.isnan(ieee)
+        np.testing.assert_array_equal(np.isnan(fast), nan)
+        np.testing.assert_array_equal(fast[~nan].view(np.uint32), ieee[~nan].view(np.uint32))

@@ -24,7 +24,8 @@ from jax_kda.config import CONV_TAPS, K, KdaConfig
 from jax_kda.kernels.fused import FusedVerify
 
 SHARED_LIMIT = 227 * 1024  # dynamic shared memory one CTA may opt into on sm_90
-DTYPES = {"float32": cutlass.Float32, "bfloat16": cutlass.BFloat16, "int32": cutlass.Int32}
+DTYPES = {"float32": cutlass.Float32, "bfloat16": cutlass.BFloat16, "int32": cutlass.Int32,
+          "int64": cutlass.Int64}
 
 
 @functools.lru_cache(maxsize=None)

@@ -6,10 +6,13 @@ Layout: a cluster of `split` CTAs of 256 threads per (request, head); CTA `rank`
 state rows [rank RC, (rank + 1) RC), RC = 128 / split, and every CTA of the item
 recomputes the shared per-token operands (convolution, norms, gate projection, pair
 products). Thread (g, l) of the state pass holds rows g + G r (r < RPT) and the 4-key
-chunks l + LANES c (c < KCH) of them, LANES threads per row; its rows arrive by cp.async
-while the operands are computed. Every read of an item is issued before any is waited
-on (latency, not bandwidth, bounds a CTA's life): the small operands as one cp.async
-group into shared memory, the state rows as the next. The gated RMSNorm's sums of
+chunks l + LANES c (c < KCH) of them, LANES threads per row (8 where the accumulators
+fit: each Gamma k / Gamma q vector read from shared memory then feeds 4 rows). Every
+read of an item is issued before any is waited on (latency, not bandwidth, bounds a
+CTA's life): the small operands by cp.async into shared memory, the CTA's state rows
+(contiguous) by one bulk copy on an mbarrier, while the gate projection runs; the
+IEEE divisions and roots of a thread go in branch-free batches (primitives.quotients)
+so that ptxas can overlap them. The gated RMSNorm's sums of
 squares cross the cluster through distributed shared memory. Only rank 0 writes the
 per-item records (keys, raw gates) and the convolution window, right after the
 prologue, once a cluster barrier shows that every CTA of the item has read the old ones.
@@ -36,12 +39,15 @@ from cutlass import BFloat16, Float32, Int32, Int64
 
 from jax_kda.config import K
 from jax_kda.layer import NORM_EPS
-from jax_kda.kernels.primitives import (RN, aligned, butterfly_sum, cp_async_16, decay, exp,
-                                        inv_sqrt, load_i32_pair, load_vec, load_words,
-                                        mma_bf16, push_f32, round_bf16, sigmoid, silu_bf16,
-                                        store_f32x4_if, transpose_sum, tree_sum, wide)
+from jax_kda.kernels.primitives import (RN, aligned, bulk_copy, butterfly_sum, cp_async_16,
+                                        decays, exp, load_i32_pair, load_if, load_vec,
+                                        load_words, mma_bf16, push_f32, quotients, roots,
+                                        round_bf16, sigmoids, silus_bf16, store_f32x4_if,
+                                        transpose_sum, tree_sum, wide)
 
 THREADS = 256
+PHASES = 12  # timeline stamps per CTA (see `stamp`)
+STAMPS = 16
 
 
 def pair_index(T, t, s, kind):
@@ -76,23 +82,30 @@ class FusedVerify:
 
     heads, tokens, record_tokens: H, T, RQ. gate_mode: the gate projection's FP32 chain
     order. has_bias: whether conv_bias is given. split: CTAs per (request, head).
-    lower_bound, scale, eps: the layer's scalars, compiled in.
+    lower_bound, scale, eps: the layer's scalars, compiled in. timeline: the diagnostic
+    build (`stamp`; tests/gpu_timeline.py), whose `__call__` takes one more operand, a
+    [CTAs, STAMPS] int64 tensor.
     """
 
     def __init__(self, heads, tokens, record_tokens, gate_mode, has_bias, split,
-                 lower_bound, scale, eps):
+                 lower_bound, scale, eps, timeline=False):
+        self.timeline = timeline
         self.heads, self.tokens, self.record_tokens = heads, tokens, record_tokens
         self.gate_mode, self.has_bias, self.split = gate_mode, has_bias, split
         self.lower_bound, self.scale, self.eps = lower_bound, scale, eps
         self.rows = K // split  # RC: state rows per CTA
-        self.rows_per_thread = max(1, self.rows // 64)  # RPT
+        # RPT: 8 threads per row where the 2T RPT dot accumulators fit the registers,
+        # else 4 (T >= 6 at split 1)
+        wide_rows = max(1, self.rows // 32)
+        self.rows_per_thread = (
+            wide_rows if 2 * tokens * wide_rows <= 40 else max(1, self.rows // 64))
         self.lanes = THREADS * self.rows_per_thread // self.rows  # threads per row
         self.chunks = K // (4 * self.lanes)  # KCH: 4-key chunks per thread and row
         self.row_groups = self.rows // self.rows_per_thread  # G
 
     def staged_shape(self):
-        """The state rows in flight: [RPT x KCH, THREADS, 4] f32, each thread's own."""
-        return (self.rows_per_thread * self.chunks, THREADS, 4)
+        """This CTA's state rows as they lie in global memory: [RC, K] f32."""
+        return (self.rows, K)
 
     def early_buffers(self):
         """Staged operands read before the state pass: the window [3, K, RQ + 2], the
@@ -125,7 +138,7 @@ class FusedVerify:
         """Dynamic shared memory per CTA (an upper bound: every alignment padded)."""
         staged = footprint([(Float32, self.staged_shape())])
         return (staged + 128 + self.scratch_bytes() + 128
-                + footprint(self.shared_buffers().values()) + 16 + 8)
+                + footprint(self.shared_buffers().values()) + 16 + 8 + 8)
 
     @cute.jit
     def __call__(self, stream: cuda.CUstream, x: cute.Tensor, f_a: cute.Tensor,
@@ -134,15 +147,17 @@ class FusedVerify:
                  a_log: cute.Tensor, dt_bias: cute.Tensor, f_b: cute.Tensor,
                  norm_weight: cute.Tensor, state: cute.Tensor, conv: cute.Tensor,
                  corrections: cute.Tensor, key_gates: cute.Tensor, pending: cute.Tensor,
-                 out: cute.Tensor):
+                 out: cute.Tensor, timeline=None):
         if cutlass.const_expr(conv_bias is None):
             conv_bias = conv_weight  # never read: has_bias is False
+        if cutlass.const_expr(timeline is None):
+            timeline = out  # never written: self.timeline is False
         cluster = (self.split, 1, 1) if self.split > 1 else None
         self.kernel(x.iterator, f_a.iterator, beta.iterator, gate.iterator, slots.iterator,
                     record_rows.iterator, conv_weight.iterator, conv_bias.iterator,
                     a_log.iterator, dt_bias.iterator, f_b.iterator, norm_weight.iterator,
                     state.iterator, conv.iterator, corrections.iterator, key_gates.iterator,
-                    pending.iterator, out.iterator, Int32(state.shape[0]),
+                    pending.iterator, out.iterator, timeline.iterator, Int32(state.shape[0]),
                     Int32(pending.shape[0])).launch(
             grid=(self.split, self.heads, slots.shape[0]), block=(THREADS, 1, 1),
             cluster=cluster, stream=stream, use_pdl=True, min_blocks_per_mp=2,
@@ -151,7 +166,7 @@ class FusedVerify:
     @cute.kernel
     def kernel(self, x, f_a, beta, gate, slots, record_rows, conv_weight, conv_bias,
                a_log, dt_bias, f_b, norm_weight, state, conv, corrections, key_gates,
-               pending, out, num_slots: Int32, num_records: Int32):
+               pending, out, timeline, num_slots: Int32, num_records: Int32):
         T: cutlass.Constexpr = self.tokens
         RQ: cutlass.Constexpr = self.record_tokens
         H: cutlass.Constexpr = self.heads
@@ -176,20 +191,25 @@ class FusedVerify:
             smem.allocate_tensor(dtype, row_major(*shape), byte_alignment=16)
             for dtype, shape in self.shared_buffers().values()]
         exchange = smem.allocate_array(Int64, 1, byte_alignment=8)
+        state_arrived = smem.allocate_array(Int64, 1, byte_alignment=8)
+        self.stamp(timeline, 0, tid)
 
         # The weights: the only operands no earlier op of the program can be writing.
-        taps, bias, dt_gate, fb_words, a_exp, dt_channel, nw = self.load_weights(
+        taps, bias, dt_gate, fb_words, a_log_h, dt_channel, nw = self.load_weights(
             conv_weight, conv_bias, a_log, dt_bias, f_b, norm_weight, head, tid)
+        self.stamp(timeline, 1, tid)
         cute.arch.griddepcontrol_wait()
+        self.stamp(timeline, 2, tid)
 
         slot, rec = load_i32_pair(slots, request, record_rows, request)
         live = (slot > 0) & (slot < num_slots)
         has_records = (rec >= 0) & (rec < num_records)
         activation_words = self.load_activations(f_a, request, tid)
         if live:
-            n = Int32(0)
-            if has_records:
-                n = cutlass.max(cutlass.min(pending[rec], Int32(RQ)), Int32(0))
+            # Loaded here, used only once every other read of the item is in flight.
+            pending_n = load_if(pending, rec, has_records)
+            beta_t = load_if(beta, wide(request * T + cutlass.min(tid, T - 1)) * H + head,
+                             tid < T)
             if cutlass.const_expr(SPLIT > 1):
                 if tid == 0:
                     cute.arch.mbarrier_init(exchange, 1)
@@ -197,7 +217,7 @@ class FusedVerify:
                     cute.arch.mbarrier_init_fence()
 
             # Every read of the item is issued here, before anything waits on one: the
-            # small operands as one cp.async group, the state rows as the next.
+            # small operands as one cp.async group, the state rows by one bulk copy.
             W: cutlass.Constexpr = RQ + 2
             self.stage(x_in, x, (wide(request) * 3 * T * H + head) * K, H * K, 3 * T, K,
                        tid)
@@ -211,13 +231,24 @@ class FusedVerify:
                 self.stage(records_in, key_gates, (wide(rec) * H + head) * RQ * 2 * K, 0, 1,
                            RQ * 2 * K, tid)
             cute.arch.cp_async_commit_group()
-            self.stream_rows(state, staged, slot, head, row0, tid)
+            if tid == 0:  # this CTA's rows are contiguous: one bulk copy
+                cute.arch.mbarrier_init(state_arrived, 1)
+                cute.arch.mbarrier_init_fence()
+                cute.arch.mbarrier_arrive_and_expect_tx(state_arrived, RC * K * 4)
+                bulk_copy(staged.iterator,
+                          aligned(state, ((wide(slot) * H + head) * K + row0) * K, 16),
+                          RC * K * 4, state_arrived)
+            self.stamp(timeline, 3, tid)
+            n = cutlass.max(cutlass.min(pending_n, Int32(RQ)), Int32(0))
+            a_exp = exp(a_log_h)
             if tid < T:
-                betas[tid] = sigmoid(Float32(beta[wide(request * T + tid) * H + head]))
+                betas[tid] = sigmoids([beta_t])[0]
             self.gate_projection(activation_words, fb_words, dt_gate, a_exp, decays,
                                  raw_gates, tid)
-            cute.arch.cp_async_wait_group(1)
+            self.stamp(timeline, 4, tid)
+            cute.arch.cp_async_wait_group(0)
             cute.arch.barrier()
+            self.stamp(timeline, 5, tid)
             activations, history, inputs = self.convolve(window_in, x_in, taps, bias,
                                                          values_v, norm_sums, n, tid)
             self.load_records(records_in, kp, old_decays, old_sums, a_exp, dt_channel, n,
@@ -229,6 +260,7 @@ class FusedVerify:
                 # records, and every peer's exchange barrier is armed.
                 cute.arch.cluster_arrive()
                 cute.arch.cluster_wait()
+            self.stamp(timeline, 6, tid)
             if rank == 0:
                 self.write_records(key_gates, conv, activations, raw_gates, history, inputs,
                                    rec, has_records, slot, head, tid)
@@ -240,15 +272,19 @@ class FusedVerify:
             cute.arch.barrier()
             if tid < NP:
                 pair_sums[tid] = tree_sum([pairs[tid, w] for w in range(4)])
+            self.stamp(timeline, 7, tid)
 
-            self.state_pass(state, staged, xvec, kp, old_u, decay_n, dots, slot, n, head,
-                            row0, tid)
+            self.state_pass(state, staged, state_arrived, xvec, kp, old_u, decay_n, dots,
+                            slot, n, head, row0, timeline, tid)
             cute.arch.barrier()
+            self.stamp(timeline, 9, tid)
             self.solve_rows(corrections, dots, pair_sums, values_v, betas, outs, rec,
                             has_records, head, row0, tid)
             cute.arch.barrier()
+            self.stamp(timeline, 10, tid)
             self.gated_norm(out, gate_in, outs, out_sums, received, exchange, nw, request,
                             head, rank, row0, tid)
+            self.stamp(timeline, 11, tid)
         else:
             if tid < RC:
                 for t in cutlass.range_constexpr(T):
@@ -273,7 +309,7 @@ class FusedVerify:
                     taps[s, i] = Float32(conv_weight[((part * 4 + i) * H + head) * K + channel])
                 if cutlass.const_expr(self.has_bias):
                     bias[s] = Float32(conv_bias[(part * H + head) * K + channel])
-        a_exp = exp(Float32(a_log[head]))
+        a_log_h = Float32(a_log[head])
         dt_channel = Float32(dt_bias[head * K + channel])
         group, quarter = lane // 4, lane % 4
         dt_gate = cute.make_rmem_tensor(2, Float32)
@@ -291,21 +327,23 @@ class FusedVerify:
         nw = Float32(0.0)
         if tid < self.rows:
             nw = Float32(norm_weight[cute.arch.block_idx()[0] * self.rows + tid])
-        return taps, bias, dt_gate, fb_words, a_exp, dt_channel, nw
+        return taps, bias, dt_gate, fb_words, a_log_h, dt_channel, nw
 
     @cute.jit
-    def stream_rows(self, state, staged, slot, head, row0, tid):
-        """cp.async this thread's RPT x KCH 4-key chunks of the state into `staged`."""
-        H: cutlass.Constexpr = self.heads
-        LANES: cutlass.Constexpr = self.lanes
-        base = (wide(slot) * H + head) * K + row0
-        for r in cutlass.range_constexpr(self.rows_per_thread):
-            row = tid // LANES + self.row_groups * r
-            for c in cutlass.range_constexpr(self.chunks):
-                key = 4 * (tid % LANES + LANES * c)
-                cp_async_16(staged[r * self.chunks + c, tid, None].iterator,
-                            aligned(state, (base + row) * K + key, 16))
-        cute.arch.cp_async_commit_group()
+    def stamp(self, timeline, index: cutlass.Constexpr, tid):
+        """Diagnostics (timeline=True): thread 0 writes the SM clock at phase `index` of
+        its CTA into timeline [CTAs, STAMPS] int64, after the SM id and the global timer
+        at phase 0, the global timer again at the last phase."""
+        if cutlass.const_expr(self.timeline):
+            if tid == 0:
+                rank, head, request = cute.arch.block_idx()
+                row = wide((request * self.heads + head) * self.split + rank) * STAMPS
+                if cutlass.const_expr(index == 0):
+                    timeline[row] = Int64(cute.arch.smid())
+                    timeline[row + 1] = cute.arch.globaltimer()
+                timeline[row + 3 + index] = cute.arch.clock64()
+                if cutlass.const_expr(index == PHASES - 1):
+                    timeline[row + 2] = cute.arch.globaltimer()
 
     @cute.jit
     def stage(self, dst, src, base, stride, rows: cutlass.Constexpr,
@@ -361,7 +399,16 @@ class FusedVerify:
                     for i in cutlass.range_constexpr(4):  # rounded products, as the stock loop
                         y = cute.math.add(y, cute.math.mul(taps[s, i], seq[t + i], rounding=RN),
                                           rounding=RN)
-                    activations[s, t] = silu_bf16(y)
+                    activations[s, t] = y
+        # the SiLUs of a thread as one batch (see primitives.quotients)
+        if section == 0:
+            silus = silus_bf16([activations[s, t] for s in range(2) for t in range(T)])
+            for i in cutlass.range_constexpr(2 * T):
+                activations[i // T, i % T] = silus[i]
+        else:
+            silus = silus_bf16([activations[0, t] for t in range(T)])
+            for t in cutlass.range_constexpr(T):
+                activations[0, t] = silus[t]
         for t in cutlass.range_constexpr(T):
             if section == 0:
                 for s in cutlass.range_constexpr(2):
@@ -382,16 +429,21 @@ class FusedVerify:
         channel, section = tid % K, tid // K
         lane, warp = tid % 32, tid // 32
         if section == 1:
-            for t in cutlass.range_constexpr(RQ):
-                key = Float32(0.0)
-                if t < n:
-                    key = Float32(records_in[t, 0, channel])
-                    kp[t, channel] = key
-                    old_decays[t, channel] = decay(Float32(records_in[t, 1, channel]), a_exp,
-                                                   dt_channel, self.lower_bound)
-                squares = butterfly_sum(key * key, 32)
-                if lane == 0:
-                    old_sums[t, warp - 4] = squares
+            for first in cutlass.range_constexpr(0, RQ, 8):  # decays in batches of 8
+                tokens = range(first, min(first + 8, RQ))
+                # t >= n are masked: their staged bytes may be stale or never staged
+                gates = [Float32(cutlass.select_(t < n, Float32(records_in[t, 1, channel]),
+                                                 Float32(0.0))) for t in tokens]
+                recorded = decays(gates, a_exp, [dt_channel] * len(gates), self.lower_bound)
+                for t, d in zip(tokens, recorded):
+                    key = Float32(0.0)
+                    if t < n:
+                        key = Float32(records_in[t, 0, channel])
+                        kp[t, channel] = key
+                        old_decays[t, channel] = d
+                    squares = butterfly_sum(key * key, 32)
+                    if lane == 0:
+                        old_sums[t, warp - 4] = squares
 
     @cute.jit
     def load_activations(self, f_a, request, tid):
@@ -409,7 +461,7 @@ class FusedVerify:
         return words
 
     @cute.jit
-    def gate_projection(self, activation_words, fb_words, dt_gate, a_exp, decays,
+    def gate_projection(self, activation_words, fb_words, dt_gate, a_exp, decays_out,
                         raw_gates, tid):
         """raw_g = bf16(f_a . f_b[h]^T) with bf16 mma (warp w: features 16 w + [0, 16),
         tokens as the 8 columns), and this step's decays."""
@@ -426,17 +478,20 @@ class FusedVerify:
                          [acc[chain, e] for e in range(4)])
             for e in cutlass.range_constexpr(4):
                 acc[chain, e] = d[e]
+        raw = []
         for e in cutlass.range_constexpr(4):
-            token = 2 * quarter + e % 2
-            feature = 16 * warp + group + 8 * (e // 2)
             total = acc[0, e]
             if cutlass.const_expr(self.gate_mode == 1):
                 total = ((acc[0, e] + acc[1, e]) + acc[2, e]) + acc[3, e]
-            raw_g = round_bf16(total)
+            raw.append(round_bf16(total))
+        # columns token >= T repeat token % T: real values, computed and dropped
+        gates = decays(raw, a_exp, [dt_gate[e // 2] for e in range(4)], self.lower_bound)
+        for e in cutlass.range_constexpr(4):
+            token = 2 * quarter + e % 2
+            feature = 16 * warp + group + 8 * (e // 2)
             if token < T:
-                raw_gates[token, feature] = BFloat16(raw_g)
-                decays[token, feature] = decay(raw_g, a_exp, dt_gate[e // 2],
-                                               self.lower_bound)
+                raw_gates[token, feature] = BFloat16(raw[e])
+                decays_out[token, feature] = gates[e]
 
     @cute.jit
     def token_vectors(self, activations, norm_sums, decays, xvec, pairs, tid):
@@ -448,12 +503,13 @@ class FusedVerify:
         channel, lane, warp = tid % K, tid % 32, tid // 32
         qs = cute.make_rmem_tensor(T, Float32)
         ks = cute.make_rmem_tensor(T, Float32)
+        norms = roots([tree_sum([norm_sums[t, s, w] for w in range(4)]) + NORM_EPS
+                       for s in range(2) for t in range(T)])
+        normalized = quotients([activations[s, t] for s in range(2) for t in range(T)], norms)
         gamma = Float32(1.0)
         for t in cutlass.range_constexpr(T):
-            sq = tree_sum([norm_sums[t, 0, w] for w in range(4)])
-            sk = tree_sum([norm_sums[t, 1, w] for w in range(4)])
-            qs[t] = activations[0, t] / cute.math.sqrt(sq + NORM_EPS) * self.scale
-            ks[t] = activations[1, t] / cute.math.sqrt(sk + NORM_EPS)
+            qs[t] = normalized[t] * self.scale
+            ks[t] = normalized[T + t]
             d = decays[t, channel]
             gamma = d if t == 0 else gamma * d
             xvec[t, channel] = gamma * ks[t]
@@ -470,7 +526,7 @@ class FusedVerify:
                     weighted = weighted * d[r]
                 terms.append(weighted * (ks[t] if kind == "A" else qs[t]))
             terms += [Float32(0.0)] * (width - len(terms))
-            total = transpose_sum(terms, lane)
+            total = transpose_sum(terms, lane)[0]
             stride: cutlass.Constexpr = 32 // width
             if lane % stride == 0:
                 index = first + lane // stride
@@ -491,8 +547,8 @@ class FusedVerify:
         decay_n[channel] = suffix
 
     @cute.jit
-    def state_pass(self, state, staged, xvec, kp, old_u, decay_n, dots, slot, n, head,
-                   row0, tid):
+    def state_pass(self, state, staged, state_arrived, xvec, kp, old_u, decay_n, dots,
+                   slot, n, head, row0, timeline, tid):
         """Per 4-key chunk of this thread's rows: S_n = S_0 D_n + sum_t u_t (kn_t P_t),
         written back if n > 0, and the 2T dot products with Gamma k and Gamma q; the
         LANES partial dots of a row are then summed into dots[row]."""
@@ -505,14 +561,21 @@ class FusedVerify:
         lane_in, row_in = tid % LANES, tid // LANES
         acc = cute.make_rmem_tensor((RPT, 2 * T), Float32)
         acc.fill(0.0)
-        cute.arch.cp_async_wait_group(0)
+        cute.arch.mbarrier_wait(state_arrived, 0)
+        self.stamp(timeline, 8, tid)
         for c in cutlass.range_constexpr(self.chunks):
-            key = 4 * (lane_in + LANES * c)
+            order = c
+            if cutlass.const_expr(LANES < 8):
+                # A quarter warp's 16-byte loads cover 128 bytes: with 4 lanes per row that
+                # is two rows 512 bytes apart (the same banks) unless they take the
+                # chunks in different orders.
+                order = c ^ (row_in % 2)
+            key = 4 * (lane_in + LANES * order)
             rows = cute.make_rmem_tensor((RPT, 4), Float32)
             replayed = cute.make_rmem_tensor((RPT, 4), Float32)
             replayed.fill(0.0)
             for r in cutlass.range_constexpr(RPT):
-                v = load_vec(staged.iterator, (r * self.chunks + c) * THREADS * 4 + tid * 4, 4)
+                v = load_vec(staged.iterator, (row_in + G * r) * K + key, 4)
                 for e in cutlass.range_constexpr(4):
                     rows[r, e] = v[e]
             for t in range(n):
@@ -532,11 +595,16 @@ class FusedVerify:
                 for r in cutlass.range_constexpr(RPT):
                     for e in cutlass.range_constexpr(4):
                         acc[r, j] = cute.math.fma(rows[r, e], x4[e], acc[r, j])
-        for r in cutlass.range_constexpr(RPT):
-            for j in cutlass.range_constexpr(2 * T):
-                total = butterfly_sum(acc[r, j], LANES)
-                if lane_in == j % LANES:
-                    dots[row_in + G * r, j] = total
+        # the LANES partial sums of each (row, dot) meet in one lane of the row's group
+        count: cutlass.Constexpr = RPT * 2 * T
+        per_lane: cutlass.Constexpr = -(-count // LANES)
+        totals = transpose_sum([acc[r, j] for r in range(RPT) for j in range(2 * T)]
+                               + [Float32(0.0)] * (per_lane * LANES - count), tid % 32,
+                               LANES)
+        for i in cutlass.range_constexpr(per_lane):
+            index = lane_in * per_lane + i
+            if index < count:
+                dots[row_in + G * (index // (2 * T)), index % (2 * T)] = totals[i]
 
     @cute.jit
     def solve_rows(self, corrections, dots, pair_sums, values_v, betas, outs, rec,
@@ -590,15 +658,18 @@ class FusedVerify:
             cute.arch.mbarrier_wait(exchange, 0)
         if tid < RC:
             row = row0 + tid
+            means = []
             for t in cutlass.range_constexpr(T):
                 if cutlass.const_expr(SPLIT > 1):
                     sumsq = tree_sum([received[p, t] for p in range(SPLIT)])
                 else:
                     sumsq = tree_sum([out_sums[t, w] for w in range(NW)])
-                rstd = inv_sqrt(sumsq / K + self.eps)
+                means.append(sumsq / K + self.eps)
+            rstd = quotients([Float32(1.0)] * T, roots(means))
+            gated = sigmoids([Float32(gate_in[t, tid]) for t in range(T)])
+            for t in cutlass.range_constexpr(T):
                 where = wide((request * T + t) * H + head) * K + row
-                gated = sigmoid(Float32(gate_in[t, tid]))
-                out[where] = BFloat16(outs[t, tid] * rstd * nw * gated)
+                out[where] = BFloat16(outs[t, tid] * rstd[t] * nw * gated[t])
 
     @cute.jit
     def write_records(self, key_gates, conv, activations, raw_gates, history, inputs, rec,

@@ -46,10 +46,34 @@ def load_i32_pair(ptr_a, offset_a, ptr_b, offset_b):
         read_only_args=[aligned(ptr_a, offset_a, 4), aligned(ptr_b, offset_b, 4)])
 
 
+def load_if(ptr, offset, predicate):
+    """The Int32 or BFloat16 (as Float32) at `ptr + offset` if `predicate`, else 0, by one
+    volatile load: issued where it stands, so that the caller can issue other reads
+    before the first use waits for it (no branch for ptxas to sink it into)."""
+    bits = ptr.dtype.width
+    word = cute.arch.inline_ptx(
+        f"{{ .reg .pred p; setp.ne.b32 p, {{$r1}}, 0; mov.b32 {{$w0}}, 0;\n\t"
+        f"@p ld.volatile.global.u{bits} {{$w0}}, [{{$r0}}]; }}",
+        write_only_types=[Uint32],
+        read_only_args=[aligned(ptr, offset, bits // 8), Int32(predicate)])
+    if ptr.dtype is BFloat16:
+        return (word << 16).bitcast(Float32)
+    return word.bitcast(Int32)
+
+
 def cp_async_16(smem_ptr, gmem_ptr):
     """cp.async.cg of 16 bytes, global -> shared; the caller commits and waits."""
     cute.arch.inline_ptx("cp.async.cg.shared.global [{$r0}], [{$r1}], 16;",
                          read_only_args=[smem_ptr, gmem_ptr])
+
+
+def bulk_copy(smem_ptr, gmem_ptr, size, barrier_ptr):
+    """cp.async.bulk of `size` bytes (16-byte multiples, aligned) global -> this CTA's
+    shared memory, completing `size` tx bytes on the mbarrier at `barrier_ptr`."""
+    cute.arch.inline_ptx(
+        "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes "
+        "[{$r0}], [{$r1}], {$r2}, [{$r3}];",
+        read_only_args=[smem_ptr, gmem_ptr, Int32(size), barrier_ptr])
 
 
 def store_f32x4_if(gmem_ptr, values, predicate):
@@ -74,12 +98,14 @@ def butterfly_sum(value: Float32, width: cutlass.Constexpr) -> Float32:
     return value
 
 
-def transpose_sum(values, lane):
-    """Sums each of P = len(values) (a power of two <= 32) lane-values over the warp in
-    P - 1 + log2(32 / P) shuffles (recursive halving instead of P butterflies): returns
-    the total of value index lane >> log2(32 / P), held by every lane."""
-    offset = 16
-    while len(values) > 1:
+def transpose_sum(values, lane, width=32):
+    """Sums each of P = len(values) lane-values over aligned groups of `width` lanes (a
+    power of two <= 32; P a power of two <= width or a multiple of width) by recursive
+    halving, about P shuffles where butterflies take P log2(width). Returns the
+    m = max(1, P / width) totals this lane holds: indices [b m, (b + 1) m) with
+    b = (lane % width) min(P, width) / width."""
+    offset = width // 2
+    while len(values) > 1 and offset >= 1:
         half = len(values) // 2
         upper = (lane & offset) != 0
         kept = []
@@ -88,11 +114,10 @@ def transpose_sum(values, lane):
             send = Float32(cutlass.select_(upper, values[i], values[half + i]))
             kept.append(keep + cute.arch.shuffle_sync_bfly(send, offset=offset))
         values, offset = kept, offset // 2
-    total = values[0]
-    while offset >= 1:
-        total = total + cute.arch.shuffle_sync_bfly(total, offset=offset)
+    while offset >= 1:  # fewer values than lanes: the rest by butterflies
+        values = [values[0] + cute.arch.shuffle_sync_bfly(values[0], offset=offset)]
         offset //= 2
-    return total
+    return values
 
 
 def tree_sum(values):
@@ -118,24 +143,88 @@ def exp(x):
     return cute.math.exp(x)
 
 
-def sigmoid(x):
-    """1 / (1 + exp(-x)) with an IEEE division."""
-    return Float32(1.0) / (Float32(1.0) + exp(-x))
+# IEEE division and square root compile to a fast path and a range check that calls a
+# slow subroutine; ptxas does not schedule across those calls, so a thread's divisions
+# ran one after another. The batches below take the fast path for every element with no
+# branch, and redo the whole batch with the IEEE operations (one branch) only if an
+# operand or result lies outside [2^-100, 2^100], where the fast path is bitwise the
+# IEEE result (its checks pass: nothing in the sequence can underflow or overflow).
+FAST_LOW, FAST_HIGH = 2.0**-100, 2.0**100
 
 
-def silu_bf16(y):
-    """The convolution's SiLU y / (1 + exp(-y)), rounded to bf16."""
-    return round_bf16(y / (Float32(1.0) + exp(-y)))
+def outside_fast_range(x):
+    """|x| outside [2^-100, 2^100], zero or NaN included."""
+    return (((x < FAST_LOW) & (x > -FAST_LOW)) | (x > FAST_HIGH) | (x < -FAST_HIGH)
+            | (x != x))
 
 
-def inv_sqrt(x):
-    """1 / sqrt(x), both IEEE-rounded."""
-    return Float32(1.0) / cute.math.sqrt(x)
+def fast_quotient(x, y):
+    """x / y by div.rn's fast path: the reciprocal refined once, one remainder step."""
+    return cute.arch.inline_ptx(
+        "{ .reg .f32 r, e, n, q, m;\n\tneg.f32 n, {$r1};\n\t"
+        "rcp.approx.ftz.f32 r, {$r1};\n\tfma.rn.f32 e, r, n, 0f3F800000;\n\t"
+        "fma.rn.f32 r, r, e, r;\n\tfma.rn.f32 q, {$r0}, r, 0f00000000;\n\t"
+        "fma.rn.f32 m, q, n, {$r0};\n\tfma.rn.f32 {$w0}, r, m, q; }",
+        write_only_types=[Float32], read_only_args=[Float32(x), Float32(y)])
 
 
-def decay(raw_g, a_exp, dt, lower_bound):
-    """exp(lower_bound * sigmoid(exp(a_log) * (raw_g + dt_bias))), a_exp = exp(a_log)."""
-    return exp(lower_bound * sigmoid(a_exp * (raw_g + dt)))
+def fast_root(x):
+    """sqrt(x) by sqrt.rn's fast path: x rsqrt(x) corrected once by the residual."""
+    return cute.arch.inline_ptx(
+        "{ .reg .f32 r, s, h, e, n;\n\trsqrt.approx.ftz.f32 r, {$r0};\n\t"
+        "mul.ftz.f32 s, {$r0}, r;\n\tmul.ftz.f32 h, r, 0f3F000000;\n\t"
+        "neg.f32 n, s;\n\tfma.rn.f32 e, n, s, {$r0};\n\tfma.rn.f32 {$w0}, e, h, s; }",
+        write_only_types=[Float32], read_only_args=[Float32(x)])
+
+
+@cute.jit
+def quotients(nums, dens):
+    """[n / d] with IEEE rounding, for lists of Float32 (see the note above)."""
+    count: cutlass.Constexpr = len(nums)
+    out = cute.make_rmem_tensor(count, Float32)
+    slow = Boolean(False)
+    for i in cutlass.range_constexpr(count):
+        out[i] = fast_quotient(nums[i], dens[i])
+        slow = (slow | outside_fast_range(nums[i]) | outside_fast_range(dens[i])
+                | outside_fast_range(out[i]))
+    if slow:
+        for i in cutlass.range_constexpr(count):
+            out[i] = nums[i] / dens[i]
+    return [out[i] for i in range(count)]
+
+
+@cute.jit
+def roots(values):
+    """[sqrt(x)] with IEEE rounding, for a list of positive Float32 (fast path where x
+    lies in [2^-100, 2^100], as quotients)."""
+    count: cutlass.Constexpr = len(values)
+    out = cute.make_rmem_tensor(count, Float32)
+    slow = Boolean(False)
+    for i in cutlass.range_constexpr(count):
+        out[i] = fast_root(values[i])
+        slow = slow | outside_fast_range(values[i])
+    if slow:
+        for i in cutlass.range_constexpr(count):
+            out[i] = cute.math.sqrt(values[i])
+    return [out[i] for i in range(count)]
+
+
+def sigmoids(values):
+    """[1 / (1 + exp(-x))], IEEE division."""
+    return quotients([Float32(1.0)] * len(values),
+                     [Float32(1.0) + exp(-x) for x in values])
+
+
+def silus_bf16(values):
+    """The convolution's SiLU [y / (1 + exp(-y))], each rounded to bf16."""
+    return [round_bf16(q) for q in
+            quotients(values, [Float32(1.0) + exp(-y) for y in values])]
+
+
+def decays(raw_gates, a_exp, dts, lower_bound):
+    """[exp(lower_bound * sigmoid(exp(a_log) * (raw_g + dt_bias)))], a_exp = exp(a_log)."""
+    gates = sigmoids([a_exp * (g + dt) for g, dt in zip(raw_gates, dts)])
+    return [exp(lower_bound * s) for s in gates]
 
 
 def wide(i):

@@ -1,0 +1,144 @@
+"""Where a CTA of the fused verify spends its life: the kernel built with timeline=True
+(thread 0 of every CTA stamps the SM clock at each phase, and the SM id and global timer
+at its start and end), launched in steady state (a CUDA graph of back-to-back launches
+on rotated cache sets, so the state comes from HBM and PDL overlaps launches as in the
+benchmark). Prints, per point, the mean time of each phase, the CTAs resident per SM and
+the kernel time of the same build without stamps, and writes every stamp to --out.
+
+    JAX_PLATFORMS=cpu python tests/gpu_timeline.py [--out DIR] [B,T,SPLIT ...]
+"""
+import argparse
+import json
+import pathlib
+import sys
+
+import jax
+import numpy as np
+import torch
+
+from jax_kda import KdaConfig
+from jax_kda.ffi.eager import FIELDS
+from jax_kda.testing import random_cache, random_inputs, random_params
+from gpu_sanitize import to_torch
+
+H, LAUNCHES, REPLAYS = 32, 32, 10
+PHASES = ["weights issued", "griddepcontrol.wait", "reads issued", "gate projection",
+          "operands arrived", "conv, norms, records", "records written, vectors",
+          "state arrived", "state pass", "solve", "gated norm"]
+
+
+def build(config, split, timeline):
+    import cutlass.cute as cute
+    from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream
+
+    from jax_kda.kernels import DTYPES, operand_dtypes, operand_shapes
+    from jax_kda.kernels.fused import STAMPS, FusedVerify
+
+    B, S, R = (cute.sym_int() for _ in range(3))
+    shapes = operand_shapes(config, B, S, R)
+    dtypes = operand_dtypes("float32", "float32")
+    if timeline:
+        shapes, dtypes = shapes + [(cute.sym_int(), STAMPS)], dtypes + ["int64"]
+    fakes = [make_fake_compact_tensor(DTYPES[d], shape,
+                                      stride_order=tuple(reversed(range(len(shape)))),
+                                      assumed_align=16) for shape, d in zip(shapes, dtypes)]
+    kernel = FusedVerify(config.heads, config.tokens, config.rq, config.gate_mode, True,
+                         split, float(config.lower_bound), config.query_scale,
+                         float(config.eps), timeline=timeline)
+    return cute.compile(kernel, make_fake_stream(), *fakes)
+
+
+def operands(arrays):
+    from cutlass.cute.runtime import from_dlpack
+
+    return [from_dlpack(a, assumed_align=16).mark_layout_dynamic(leading_dim=a.dim() - 1)
+            for a in arrays]
+
+
+def run_point(B, T, split):
+    import cuda.bindings.driver as cuda
+    from jax_kda.kernels.fused import STAMPS
+
+    config = KdaConfig(heads=H, tokens=T, split=split)
+    key = jax.random.key(B)
+    params = to_torch(random_params(key, config))
+    slots, rows = np.arange(1, B + 1), np.arange(B)
+    nsets = max(2, -(-(128 << 20) // (B * H * 128 * 128 * 4)))
+    first = to_torch(random_cache(jax.random.fold_in(key, 1), config, B + 1, B))
+    caches = [first] + [jax.tree.map(torch.clone, first) for _ in range(nsets - 1)]
+    inputs = to_torch(random_inputs(jax.random.fold_in(key, 99), config, slots, rows))
+    out = torch.empty((B, T, H, 128), dtype=torch.bfloat16, device="cuda")
+    stamps = torch.zeros((B * H * split, STAMPS), dtype=torch.int64, device="cuda")
+    stream = torch.cuda.Stream()
+    handle = cuda.CUstream(stream.cuda_stream)
+    sets = [operands([dict(vars(inputs), **vars(params), **vars(c), out=out)[name]
+                      for name in FIELDS]) for c in caches]
+    result = {}
+    for timeline in (False, True):
+        compiled = build(config, split, timeline)
+        extra = operands([stamps]) if timeline else []
+        compiled(handle, *sets[0], *extra)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=stream):
+            for i in range(max(LAUNCHES, nsets)):
+                compiled(handle, *sets[i % nsets], *extra)
+        graph.replay()
+        torch.cuda.synchronize()
+        start, stop = (torch.cuda.Event(enable_timing=True) for _ in range(2))
+        start.record(stream)
+        with torch.cuda.stream(stream):
+            for _ in range(REPLAYS):
+                graph.replay()
+        stop.record(stream)
+        torch.cuda.synchronize()
+        micros = start.elapsed_time(stop) * 1e3 / (REPLAYS * max(LAUNCHES, nsets))
+        result["us_stamped" if timeline else "us"] = micros
+    result["stamps"] = stamps.cpu().numpy()
+    return result
+
+
+def summarize(stamps):
+    """Mean phase times (us), the clock rate and CTAs per SM from one launch's stamps."""
+    sm, begin, end, clocks = stamps[:, 0], stamps[:, 1], stamps[:, 2], stamps[:, 3:15]
+    live = clocks[:, -1] > 0  # padding CTAs stamp only the start
+    ghz = (clocks[live, -1] - clocks[live, 0]).sum() / (end[live] - begin[live]).sum()
+    phases = np.diff(clocks[live], axis=1) / ghz / 1e3
+    span = (end.max() - begin.min()) / 1e3
+    life = (end[live] - begin[live]) / 1e3
+    # resident CTAs per SM, averaged over the kernel's span (sampled every 100 ns)
+    grid = np.arange(begin.min(), end.max(), 100)
+    resident = np.mean([np.mean([((begin[sm == s] <= t) & (end[sm == s] > t)).sum()
+                                 for t in grid]) for s in np.unique(sm)])
+    return dict(ghz=float(ghz), span_us=float(span), life_us=float(life.mean()),
+                resident=float(resident), ctas=int(live.sum()),
+                phases=[float(p) for p in phases.mean(axis=0)])
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", default=None)
+    parser.add_argument("points", nargs="*", default=["64,4,1", "1,4,2", "64,8,1"])
+    args = parser.parse_args()
+    print(f"{torch.cuda.get_device_name(0)}")
+    rows = []
+    for point in args.points:
+        B, T, split = (int(v) for v in point.split(","))
+        r = run_point(B, T, split)
+        rows.append(dict(B=B, T=T, split=split, us=r["us"], us_stamped=r["us_stamped"],
+                         **summarize(r["stamps"])))
+        if args.out:
+            np.save(pathlib.Path(args.out) / f"stamps_{B}_{T}_{split}.npy", r["stamps"])
+        print(json.dumps(rows[-1]), flush=True)
+    if args.out:
+        (pathlib.Path(args.out) / "timeline.json").write_text(json.dumps(rows, indent=1))
+    print(f"\n{'point':>12} {'us':>7} {'stamped':>7} {'life':>6} {'res':>4}  "
+          + " ".join(f"{i:>5}" for i in range(len(PHASES))))
+    for r in rows:
+        print(f"{r['B']:>4},{r['T']},{r['split']:<4} {r['us']:7.2f} "
+              f"{r['us_stamped']:7.2f} {r['life_us']:6.2f} {r['resident']:4.2f}  "
+              + " ".join(f"{p:5.2f}" for p in r["phases"]))
+    print("phases: " + "; ".join(f"{i} {p}" for i, p in enumerate(PHASES)))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -18,6 +18,7 @@ import torch
 
 from jax_kda import KdaConfig
 from jax_kda.ffi.eager import FIELDS
+from jax_kda.kernels import compile_verify
 from jax_kda.testing import random_cache, random_inputs, random_params
 from gpu_sanitize import to_torch
 
@@ -25,27 +26,6 @@ H, LAUNCHES, REPLAYS = 32, 32, 10
 PHASES = ["weights issued", "griddepcontrol.wait", "reads issued", "gate projection",
           "operands arrived", "conv, norms, records", "records written, vectors",
           "state arrived", "state pass", "solve", "gated norm"]
-
-
-def build(config, split, timeline):
-    import cutlass.cute as cute
-    from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream
-
-    from jax_kda.kernels import DTYPES, operand_dtypes, operand_shapes
-    from jax_kda.kernels.fused import STAMPS, FusedVerify
-
-    B, S, R = (cute.sym_int() for _ in range(3))
-    shapes = operand_shapes(config, B, S, R)
-    dtypes = operand_dtypes("float32", "float32")
-    if timeline:
-        shapes, dtypes = shapes + [(cute.sym_int(), STAMPS)], dtypes + ["int64"]
-    fakes = [make_fake_compact_tensor(DTYPES[d], shape,
-                                      stride_order=tuple(reversed(range(len(shape)))),
-                                      assumed_align=16) for shape, d in zip(shapes, dtypes)]
-    kernel = FusedVerify(config.heads, config.tokens, config.rq, config.gate_mode, True,
-                         split, float(config.lower_bound), config.query_scale,
-                         float(config.eps), timeline=timeline)
-    return cute.compile(kernel, make_fake_stream(), *fakes)
 
 
 def operands(arrays):
@@ -75,7 +55,8 @@ def run_point(B, T, split):
                       for name in FIELDS]) for c in caches]
     result = {}
     for timeline in (False, True):
-        compiled = build(config, split, timeline)
+        compiled = compile_verify(config, split, True, "float32", "float32",
+                                  timeline=timeline)
         extra = operands([stamps]) if timeline else []
         compiled(handle, *sets[0], *extra)
         graph = torch.cuda.CUDAGraph()

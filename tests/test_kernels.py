@@ -68,6 +68,15 @@ def test_compiles_without_spills():
     assert main(["--arch", "sm_90a", "--heads", "2", "--only", "2,0,1", "--only", "8,1,8"]) == 0
 
 
+def test_timeline_build_compiles():
+    """The diagnostic build of tests/gpu_timeline.py (phase stamps into one more operand)
+    compiles for sm_90a."""
+    from jax_kda.kernels import compile_verify
+
+    assert compile_verify(KdaConfig(heads=2, tokens=4), 2, True, "float32", "float32",
+                          timeline=True) is not None
+
+
 @pytest.mark.parametrize("items,sms,expected", [(2048, 132, 1), (33, 132, 1), (32, 132, 2),
                                                 (4, 132, 8), (1, 132, 8)])
 def test_choose_split(items, sms, expected):

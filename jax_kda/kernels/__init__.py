@@ -21,7 +21,7 @@ except ImportError as error:  # pragma: no cover - depends on the environment
                       ) from error
 
 from jax_kda.config import CONV_TAPS, K, KdaConfig
-from jax_kda.kernels.fused import FusedVerify
+from jax_kda.kernels.fused import STAMPS, FusedVerify
 
 SHARED_LIMIT = 227 * 1024  # dynamic shared memory one CTA may opt into on sm_90
 DTYPES = {"float32": cutlass.Float32, "bfloat16": cutlass.BFloat16, "int32": cutlass.Int32,
@@ -29,11 +29,13 @@ DTYPES = {"float32": cutlass.Float32, "bfloat16": cutlass.BFloat16, "int32": cut
 
 
 @functools.lru_cache(maxsize=None)
-def verify_kernel(config: KdaConfig, split: int, has_bias: bool) -> FusedVerify:
-    """The kernel of `config` with `split` CTAs per (request, head)."""
+def verify_kernel(config: KdaConfig, split: int, has_bias: bool,
+                  timeline: bool = False) -> FusedVerify:
+    """The kernel of `config` with `split` CTAs per (request, head); timeline: the
+    diagnostic build that stamps each CTA's phases (tests/gpu_timeline.py)."""
     return FusedVerify(config.heads, config.tokens, config.rq, config.gate_mode, has_bias,
                        split, float(config.lower_bound), config.query_scale,
-                       float(config.eps))
+                       float(config.eps), timeline=timeline)
 
 
 def operand_shapes(config: KdaConfig, B, S, R):
@@ -54,19 +56,23 @@ def operand_dtypes(conv_dtype: str, norm_dtype: str):
 
 @functools.lru_cache(maxsize=None)
 def compile_verify(config: KdaConfig, split: int, has_bias: bool, conv_dtype: str,
-                   norm_dtype: str, options: str = ""):
+                   norm_dtype: str, options: str = "", timeline: bool = False):
     """The kernel compiled for symbolic B, S, R (one binary for every batch and cache
     size): call it as (stream, *operands) with `operand_shapes`' order (conv_bias None
-    when has_bias is False)."""
+    when has_bias is False), then, for the timeline build, the [CTAs, STAMPS] int64
+    stamps."""
     B, S, R = (cute.sym_int() for _ in range(3))
+    shapes = operand_shapes(config, B, S, R)
+    dtypes = operand_dtypes(conv_dtype, norm_dtype)
+    if timeline:
+        shapes, dtypes = shapes + [(cute.sym_int(), STAMPS)], dtypes + ["int64"]
     fakes = [
         make_fake_compact_tensor(DTYPES[dtype], shape,
                                  stride_order=tuple(reversed(range(len(shape)))),
                                  assumed_align=16)
-        for shape, dtype in zip(operand_shapes(config, B, S, R),
-                                operand_dtypes(conv_dtype, norm_dtype))
+        for shape, dtype in zip(shapes, dtypes)
     ]
     if not has_bias:
         fakes[7] = None
-    return cute.compile(verify_kernel(config, split, has_bias), make_fake_stream(), *fakes,
-                        options=options)
+    return cute.compile(verify_kernel(config, split, has_bias, timeline), make_fake_stream(),
+                        *fakes, options=options)

@@ -19,11 +19,12 @@ import torch
 from jax_kda import KdaConfig
 from jax_kda.ffi.eager import FIELDS
 from jax_kda.kernels import compile_verify
+from jax_kda.kernels.fused import PHASES, STAMPS
 from jax_kda.testing import random_cache, random_inputs, random_params
 from gpu_sanitize import to_torch
 
 H, LAUNCHES, REPLAYS = 32, 32, 10
-PHASES = ["weights issued", "griddepcontrol.wait", "reads issued", "gate projection",
+PHASE_NAMES = ["weights issued", "griddepcontrol.wait", "reads issued", "gate projection",
           "operands arrived", "conv, norms, records", "records written, vectors",
           "state arrived", "state pass", "solve", "gated norm"]
 
@@ -37,7 +38,6 @@ def operands(arrays):
 
 def run_point(B, T, split):
     import cuda.bindings.driver as cuda
-    from jax_kda.kernels.fused import STAMPS
 
     config = KdaConfig(heads=H, tokens=T, split=split)
     key = jax.random.key(B)
@@ -80,7 +80,7 @@ def run_point(B, T, split):
 
 def summarize(stamps):
     """Mean phase times (us), the clock rate and CTAs per SM from one launch's stamps."""
-    sm, begin, end, clocks = stamps[:, 0], stamps[:, 1], stamps[:, 2], stamps[:, 3:15]
+    sm, begin, end, clocks = stamps[:, 0], stamps[:, 1], stamps[:, 2], stamps[:, 3:3 + PHASES]
     live = clocks[:, -1] > 0  # padding CTAs stamp only the start
     ghz = (clocks[live, -1] - clocks[live, 0]).sum() / (end[live] - begin[live]).sum()
     phases = np.diff(clocks[live], axis=1) / ghz / 1e3
@@ -113,12 +113,12 @@ def main():
     if args.out:
         (pathlib.Path(args.out) / "timeline.json").write_text(json.dumps(rows, indent=1))
     print(f"\n{'point':>12} {'us':>7} {'stamped':>7} {'life':>6} {'res':>4}  "
-          + " ".join(f"{i:>5}" for i in range(len(PHASES))))
+          + " ".join(f"{i:>5}" for i in range(len(PHASE_NAMES))))
     for r in rows:
         print(f"{r['B']:>4},{r['T']},{r['split']:<4} {r['us']:7.2f} "
               f"{r['us_stamped']:7.2f} {r['life_us']:6.2f} {r['resident']:4.2f}  "
               + " ".join(f"{p:5.2f}" for p in r["phases"]))
-    print("phases: " + "; ".join(f"{i} {p}" for i, p in enumerate(PHASES)))
+    print("phases: " + "; ".join(f"{i} {p}" for i, p in enumerate(PHASE_NAMES)))
 
 
 if __name__ == "__main__":

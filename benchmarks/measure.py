@@ -173,3 +173,42 @@ def copy_bandwidth(torch=None, nbytes: int = 1 << 30, reps: int = 20) -> dict:
         how = "jax jit(a + 1.0), wall clock"
     return {"bytes": 2 * nbytes, "seconds": seconds, "tbps": 2 * nbytes / seconds / 1e12,
             "how": how}
+
+
+def traced_steps(run, calls_per_step: int) -> dict:
+    """Device-side times of the steps `run()` enqueues (it must block until done), from
+    JAX's profiler trace of the GPU: the kernels of the commonest name (the verify) in
+    start order, taken `calls_per_step` at a time. Per step the span from the first
+    kernel's start to the last one's end; medians over the steps, of the spans, the
+    kernels' durations and the gaps between consecutive kernels of a step (negative
+    where a launch overlapped its predecessor, as PDL allows). No host time is in it."""
+    import collections
+    import glob
+    import tempfile
+
+    import jax
+
+    with tempfile.TemporaryDirectory() as folder:
+        jax.profiler.start_trace(folder)
+        try:
+            run()
+        finally:
+            jax.profiler.stop_trace()
+        paths = glob.glob(f"{folder}/**/*.xplane.pb", recursive=True)
+        data = jax.profiler.ProfileData.from_file(paths[0])
+        kernels = [(event.name, event.start_ns, event.start_ns + event.duration_ns)
+                   for plane in data.planes if plane.name.startswith("/device:GPU")
+                   for line in plane.lines for event in line.events
+                   if event.duration_ns > 0 and not line.name.startswith(("XLA", "TensorFlow"))]
+    names = collections.Counter(name for name, _, _ in kernels)
+    if not names:
+        return {"names": {}}
+    verify = names.most_common(1)[0][0]
+    chosen = sorted((start, end) for name, start, end in kernels if name == verify)
+    steps = [chosen[i:i + calls_per_step]
+             for i in range(0, len(chosen) - calls_per_step + 1, calls_per_step)]
+    spans = [(step[-1][1] - step[0][0]) * 1e-3 for step in steps]
+    gaps = [(b[0] - a[1]) * 1e-3 for step in steps for a, b in zip(step, step[1:])]
+    return {"steps": len(steps), "step_us": median(spans),
+            "kernel_us": median([(end - start) * 1e-3 for start, end in chosen]),
+            "gap_us": median(gaps), "names": dict(names.most_common(4))}

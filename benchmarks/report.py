@@ -162,7 +162,9 @@ def render(results, command=None) -> str:
         out += ["## The cost through JAX: a jitted step of 20 layers (T = 4)", "",
                 "Each layer its own params and cache (donated), `fused_verify` per layer. "
                 "`host`: the jitted step called from Python N times (a decode loop); "
-                "`device`: a jitted fori_loop of N steps. Overhead per call = (step time - "
+                "`device`: a jitted fori_loop of N steps (its while loop's own cost included); "
+                "`trace`: host-called steps timed on the device from JAX's profiler trace, "
+                "first kernel's start to last kernel's end (no dispatch, no loop). Overhead per call = (step time - "
                 "layers x raw kernel time) / layers, the raw time from the eager kernel at the "
                 "same B. Command buffers: `--xla_gpu_enable_command_buffer=` (off) or XLA's "
                 "default (on); 'in HLO' counts `command_buffer` in the compiled HLO (0 is "

@@ -101,6 +101,8 @@ def main():
     parser.add_argument("points", nargs="*", default=["64,4,1", "1,4,2", "64,8,1"])
     args = parser.parse_args()
     print(f"{torch.cuda.get_device_name(0)}")
+    if args.out:
+        pathlib.Path(args.out).mkdir(parents=True, exist_ok=True)
     rows = []
     for point in args.points:
         B, T, split = (int(v) for v in point.split(","))

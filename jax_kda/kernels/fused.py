@@ -13,9 +13,10 @@ CTA's life): the small operands by cp.async into shared memory, the CTA's state 
 (contiguous) by one bulk copy on an mbarrier, while the gate projection runs; the
 IEEE divisions and roots of a thread go in branch-free batches (primitives.quotients)
 so that ptxas can overlap them. The gated RMSNorm's sums of
-squares cross the cluster through distributed shared memory. Only rank 0 writes the
-per-item records (keys, raw gates) and the convolution window, right after the
-prologue, once a cluster barrier shows that every CTA of the item has read the old ones.
+squares cross the cluster through distributed shared memory. CTA `rank` writes the
+per-item records (keys, raw gates) and the convolution window of channels
+[rank K / split, (rank + 1) K / split), right after the prologue, once a cluster barrier
+shows that every CTA of the item has read the old ones.
 
 Before `griddepcontrol.wait` the kernel reads only the weights: under XLA the kernel
 that runs just before it may write any other operand (an `accept` scatter, a copy).
@@ -39,11 +40,11 @@ from cutlass import BFloat16, Float32, Int32, Int64
 
 from jax_kda.config import K
 from jax_kda.layer import NORM_EPS
-from jax_kda.kernels.primitives import (RN, aligned, bulk_copy, butterfly_sum, cp_async_16,
+from jax_kda.kernels.primitives import (RN, aligned, bulk_copy, cp_async_16,
                                         decays, exp, load_i32_pair, load_if, load_vec,
                                         load_words, mma_bf16, push_f32, quotients, roots,
                                         round_bf16, sigmoids, silus_bf16, store_f32x4_if,
-                                        transpose_sum, tree_sum, wide)
+                                        transpose_sum, tree_sum, warp_totals, wide)
 
 THREADS = 256
 PHASES = 12  # timeline stamps per CTA (see `stamp`)
@@ -202,27 +203,27 @@ class FusedVerify:
         self.stamp(timeline, 2, tid)
 
         slot, rec = load_i32_pair(slots, request, record_rows, request)
+        # While the slot is on its way: every read that does not depend on it (loaded
+        # here, used only once every other read of the item is in flight).
+        activation_words = self.load_activations(f_a, request, tid)
+        beta_t = load_if(beta, wide(request * T + cutlass.min(tid, T - 1)) * H + head,
+                         tid < T)
+        self.stage(x_in, x, (wide(request) * 3 * T * H + head) * K, H * K, 3 * T, K, tid)
+        self.stage(gate_in, gate, (wide(request) * T * H + head) * K + row0, H * K, T, RC,
+                   tid)
         live = (slot > 0) & (slot < num_slots)
         has_records = (rec >= 0) & (rec < num_records)
-        activation_words = self.load_activations(f_a, request, tid)
         if live:
-            # Loaded here, used only once every other read of the item is in flight.
             pending_n = load_if(pending, rec, has_records)
-            beta_t = load_if(beta, wide(request * T + cutlass.min(tid, T - 1)) * H + head,
-                             tid < T)
             if cutlass.const_expr(SPLIT > 1):
                 if tid == 0:
                     cute.arch.mbarrier_init(exchange, 1)
-                    cute.arch.mbarrier_arrive_and_expect_tx(exchange, SPLIT * T * 4)
                     cute.arch.mbarrier_init_fence()
+                    cute.arch.mbarrier_arrive_and_expect_tx(exchange, SPLIT * T * 4)
 
             # Every read of the item is issued here, before anything waits on one: the
             # small operands as one cp.async group, the state rows by one bulk copy.
             W: cutlass.Constexpr = RQ + 2
-            self.stage(x_in, x, (wide(request) * 3 * T * H + head) * K, H * K, 3 * T, K,
-                       tid)
-            self.stage(gate_in, gate, (wide(request) * T * H + head) * K + row0, H * K, T,
-                       RC, tid)
             self.stage(window_in, conv, self.window_base(slot, 0, head, 0), H * K * W, 3,
                        K * W, tid)
             if has_records:
@@ -239,12 +240,13 @@ class FusedVerify:
                           aligned(state, ((wide(slot) * H + head) * K + row0) * K, 16),
                           RC * K * 4, state_arrived)
             self.stamp(timeline, 3, tid)
-            n = cutlass.max(cutlass.min(pending_n, Int32(RQ)), Int32(0))
             a_exp = exp(a_log_h)
-            if tid < T:
-                betas[tid] = sigmoids([beta_t])[0]
             self.gate_projection(activation_words, fb_words, dt_gate, a_exp, decays,
                                  raw_gates, tid)
+            # the pending count and beta arrive behind the slot: used only now
+            n = cutlass.max(cutlass.min(pending_n, Int32(RQ)), Int32(0))
+            if tid < T:
+                betas[tid] = sigmoids([beta_t])[0]
             self.stamp(timeline, 4, tid)
             cute.arch.cp_async_wait_group(0)
             cute.arch.barrier()
@@ -261,7 +263,8 @@ class FusedVerify:
                 cute.arch.cluster_arrive()
                 cute.arch.cluster_wait()
             self.stamp(timeline, 6, tid)
-            if rank == 0:
+            # every CTA of the item computed every channel: each writes its share
+            if (tid % K) // (K // SPLIT) == rank:
                 self.write_records(key_gates, conv, activations, raw_gates, history, inputs,
                                    rec, has_records, slot, head, tid)
 
@@ -286,6 +289,8 @@ class FusedVerify:
                             head, rank, row0, tid)
             self.stamp(timeline, 11, tid)
         else:
+            cute.arch.cp_async_commit_group()
+            cute.arch.cp_async_wait_group(0)  # no copy may land after the CTA is gone
             if tid < RC:
                 for t in cutlass.range_constexpr(T):
                     out[wide((request * T + t) * H + head) * K + row0 + tid] = BFloat16(0.0)
@@ -409,13 +414,14 @@ class FusedVerify:
             silus = silus_bf16([activations[0, t] for t in range(T)])
             for t in cutlass.range_constexpr(T):
                 activations[0, t] = silus[t]
-        for t in cutlass.range_constexpr(T):
-            if section == 0:
-                for s in cutlass.range_constexpr(2):
-                    squares = butterfly_sum(activations[s, t] * activations[s, t], 32)
-                    if lane == 0:
-                        norm_sums[t, s, warp] = squares
-            else:
+        if section == 0:
+            squares, index, holds = warp_totals(
+                [activations[s, t] * activations[s, t] for t in range(T) for s in range(2)],
+                lane)
+            if holds:
+                norm_sums[index // 2, index % 2, warp] = squares
+        else:
+            for t in cutlass.range_constexpr(T):
                 values_v[t, channel] = activations[0, t]
         return activations, history, inputs
 
@@ -436,14 +442,14 @@ class FusedVerify:
                                                  Float32(0.0))) for t in tokens]
                 recorded = decays(gates, a_exp, [dt_channel] * len(gates), self.lower_bound)
                 for t, d in zip(tokens, recorded):
-                    key = Float32(0.0)
                     if t < n:
-                        key = Float32(records_in[t, 0, channel])
-                        kp[t, channel] = key
+                        kp[t, channel] = Float32(records_in[t, 0, channel])
                         old_decays[t, channel] = d
-                    squares = butterfly_sum(key * key, 32)
-                    if lane == 0:
-                        old_sums[t, warp - 4] = squares
+            keys = [cutlass.select_(t < n, Float32(records_in[t, 0, channel]), Float32(0.0))
+                    for t in range(RQ)]
+            squares, index, holds = warp_totals([key * key for key in keys], lane)
+            if holds:
+                old_sums[index, warp - 4] = squares
 
     @cute.jit
     def load_activations(self, f_a, request, tid):
@@ -517,33 +523,34 @@ class FusedVerify:
         d = [decays[t, channel] for t in range(T)]
         pairs_in_order = [("A", t, s) for t in range(T) for s in range(t)] + [
             ("B", t, s) for t in range(T) for s in range(t + 1)]
-        width = min(32, 1 << (NP - 1).bit_length())  # values reduced per transpose_sum
-        for first in cutlass.range_constexpr(0, NP, width):
+        for first in cutlass.range_constexpr(0, NP, 32):  # 32 pairs per warp_totals
             terms = []
-            for kind, t, s in pairs_in_order[first:first + width]:
+            for kind, t, s in pairs_in_order[first:first + 32]:
                 weighted = ks[s]  # k_s P(s, t), the products in token order
                 for r in cutlass.range_constexpr(s + 1, t + 1):
                     weighted = weighted * d[r]
                 terms.append(weighted * (ks[t] if kind == "A" else qs[t]))
-            terms += [Float32(0.0)] * (width - len(terms))
-            total = transpose_sum(terms, lane)[0]
-            stride: cutlass.Constexpr = 32 // width
-            if lane % stride == 0:
-                index = first + lane // stride
-                if index < NP:
-                    pairs[index, warp] = total
+            total, index, holds = warp_totals(terms, lane)
+            if holds:
+                pairs[first + index, warp] = total
 
     @cute.jit
     def replay_vectors(self, kp, old_decays, old_sums, decay_n, n, tid):
         """Section 1: kp[t] = kn_t * P_t (suffix products of the recorded decays, taken
-        from the last token back) and D_n, for t < n."""
+        from the last token back) and D_n, for t < n; the norms as one batch."""
+        RQ: cutlass.Constexpr = self.record_tokens
         channel = tid % K
+        # t >= n: a stand-in key of 1 (its bytes may be stale), never stored
+        norms = roots([tree_sum([old_sums[t, w] for w in range(4)]) + NORM_EPS
+                       for t in range(RQ)])
+        keys = quotients([cutlass.select_(t < n, kp[t, channel], Float32(1.0))
+                          for t in range(RQ)], norms)
         suffix = Float32(1.0)
-        for r in range(n):
-            t = n - 1 - r
-            total = tree_sum([old_sums[t, w] for w in range(4)])
-            kp[t, channel] = kp[t, channel] / cute.math.sqrt(total + NORM_EPS) * suffix
-            suffix = suffix * old_decays[t, channel]
+        for r in cutlass.range_constexpr(RQ):
+            t: cutlass.Constexpr = RQ - 1 - r
+            if t < n:
+                kp[t, channel] = keys[t] * suffix
+                suffix = suffix * old_decays[t, channel]
         decay_n[channel] = suffix
 
     @cute.jit
@@ -642,13 +649,15 @@ class FusedVerify:
         NW: cutlass.Constexpr = (RC + 31) // 32  # warps holding this CTA's rows
         lane, warp = tid % 32, tid // 32
         if tid < NW * 32:
+            squares = []
             for t in cutlass.range_constexpr(T):
                 o = Float32(0.0)
                 if tid < RC:
                     o = outs[t, tid]
-                total = butterfly_sum(o * o, 32)
-                if lane == 0:
-                    out_sums[t, warp] = total
+                squares.append(o * o)
+            total, index, holds = warp_totals(squares, lane)
+            if holds:
+                out_sums[index, warp] = total
         cute.arch.barrier()
         if cutlass.const_expr(SPLIT > 1):
             if tid < T:
@@ -674,7 +683,7 @@ class FusedVerify:
     @cute.jit
     def write_records(self, key_gates, conv, activations, raw_gates, history, inputs, rec,
                       has_records, slot, head, tid):
-        """Rank 0, once every CTA of the item has read the old ones: the new records' keys
+        """Once every CTA of the item has read the old ones: the new records' keys
         (section 0) and raw gates (section 1), and the window
         [history[1], history[2], x_0 .. x_{T-1}] of this thread's channels."""
         T: cutlass.Constexpr = self.tokens

@@ -90,14 +90,6 @@ def mma_bf16(a, b, c):
         write_only_types=[Float32] * 4, read_only_args=[*a, *b, *c])
 
 
-@cute.jit
-def butterfly_sum(value: Float32, width: cutlass.Constexpr) -> Float32:
-    """Sum over aligned groups of `width` lanes (a power of two <= 32), offsets 1, 2, ..."""
-    for i in cutlass.range_constexpr((width - 1).bit_length()):
-        value = value + cute.arch.shuffle_sync_bfly(value, offset=1 << i)
-    return value
-
-
 def transpose_sum(values, lane, width=32):
     """Sums each of P = len(values) lane-values over aligned groups of `width` lanes (a
     power of two <= 32; P a power of two <= width or a multiple of width) by recursive
@@ -118,6 +110,17 @@ def transpose_sum(values, lane, width=32):
         values = [values[0] + cute.arch.shuffle_sync_bfly(values[0], offset=offset)]
         offset //= 2
     return values
+
+
+def warp_totals(values, lane):
+    """The sums over the warp of each of a thread's P <= 32 values by one transpose_sum
+    (about P shuffles, not 5 P): (total, index, holds), where this lane holds the sum of
+    values[index] if holds."""
+    count = 1 << (len(values) - 1).bit_length()
+    total = transpose_sum(list(values) + [Float32(0.0)] * (count - len(values)), lane)[0]
+    stride = 32 // count
+    index = lane // stride
+    return total, index, (lane % stride == 0) & (index < len(values))
 
 
 def tree_sum(values):
@@ -153,9 +156,9 @@ FAST_LOW, FAST_HIGH = 2.0**-100, 2.0**100
 
 
 def outside_fast_range(x):
-    """|x| outside [2^-100, 2^100], zero or NaN included."""
-    return (((x < FAST_LOW) & (x > -FAST_LOW)) | (x > FAST_HIGH) | (x < -FAST_HIGH)
-            | (x != x))
+    """|x| outside [2^-100, 2^100], zero or NaN included (ordered compares fail on NaN)."""
+    magnitude = cute.math.abs(x)
+    return ~((magnitude >= FAST_LOW) & (magnitude <= FAST_HIGH))
 
 
 def fast_quotient(x, y):

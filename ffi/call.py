@@ -34,8 +34,8 @@ def choose_split(items: int, sms: int) -> int:
     which the grid puts a CTA on a quarter of the SMs. A large batch streams each state
     with one CTA (the per-token operands computed once per item); a small one spreads
     its rows (B = 1, H = 32 on 132 SMs: split 2). Measured on the H200 at T = 4 (us,
-    benchmarks/RESULTS.md): B = 1: split 1 7.7, 2 7.5, 4 8.6, 8 15.1; B = 4: 1 9.6,
-    2 11.1; B = 64: 1 96.4, 2 153.3."""
+    benchmarks/RESULTS.md): B = 1: split 1 7.1, 2 7.0, 4 8.1, 8 18.5; B = 4: 1 9.0,
+    2 10.6; B = 64: 1 93.6, 2 145.4; at T = 8, B = 1: 1 11.4, 2 9.6."""
     for split in SPLITS:
         if items * split >= sms // 4:
             return split

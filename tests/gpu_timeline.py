@@ -36,44 +36,64 @@ def operands(arrays):
             for a in arrays]
 
 
-def run_point(B, T, split):
-    import cuda.bindings.driver as cuda
+class Point:
+    """The operands of one (B, T, split) point on the GPU, as the benchmark builds them:
+    enough cache sets (cloned) that the state comes from HBM, every request with a
+    record row and a slot of its own."""
 
-    config = KdaConfig(heads=H, tokens=T, split=split)
-    key = jax.random.key(B)
-    params = to_torch(random_params(key, config))
-    slots, rows = np.arange(1, B + 1), np.arange(B)
-    nsets = max(2, -(-(128 << 20) // (B * H * 128 * 128 * 4)))
-    first = to_torch(random_cache(jax.random.fold_in(key, 1), config, B + 1, B))
-    caches = [first] + [jax.tree.map(torch.clone, first) for _ in range(nsets - 1)]
-    inputs = to_torch(random_inputs(jax.random.fold_in(key, 99), config, slots, rows))
-    out = torch.empty((B, T, H, 128), dtype=torch.bfloat16, device="cuda")
-    stamps = torch.zeros((B * H * split, STAMPS), dtype=torch.int64, device="cuda")
-    stream = torch.cuda.Stream()
-    handle = cuda.CUstream(stream.cuda_stream)
-    sets = [operands([dict(vars(inputs), **vars(params), **vars(c), out=out)[name]
-                      for name in FIELDS]) for c in caches]
-    result = {}
-    for timeline in (False, True):
-        compiled = compile_verify(config, split, True, "float32", "float32",
-                                  timeline=timeline)
-        extra = operands([stamps]) if timeline else []
-        compiled(handle, *sets[0], *extra)
+    def __init__(self, B, T, split):
+        import cuda.bindings.driver as cuda
+
+        self.config = KdaConfig(heads=H, tokens=T, split=split)
+        key = jax.random.key(B)
+        params = to_torch(random_params(key, self.config))
+        slots, rows = np.arange(1, B + 1), np.arange(B)
+        self.nsets = max(2, -(-(128 << 20) // (B * H * 128 * 128 * 4)))
+        first = to_torch(random_cache(jax.random.fold_in(key, 1), self.config, B + 1, B))
+        self.caches = [first] + [jax.tree.map(torch.clone, first)
+                                 for _ in range(self.nsets - 1)]
+        inputs = to_torch(random_inputs(jax.random.fold_in(key, 99), self.config, slots,
+                                        rows))
+        self.out = torch.empty((B, T, H, 128), dtype=torch.bfloat16, device="cuda")
+        self.stream = torch.cuda.Stream()
+        self.handle = cuda.CUstream(self.stream.cuda_stream)
+        self.named = [dict(vars(inputs), **vars(params), **vars(c), out=self.out)
+                      for c in self.caches]
+        self.sets = [operands([n[name] for name in FIELDS]) for n in self.named]
+
+    def graph_time(self, compiled, extra=(), sets=None):
+        """Mean microseconds per launch of `compiled`: max(LAUNCHES, sets) back-to-back
+        launches on rotated cache sets in a CUDA graph (PDL overlaps them), replayed
+        REPLAYS times after one warm-up replay. sets: other operand lists than the
+        verify's, one per cache set."""
+        sets = sets or self.sets
+        compiled(self.handle, *sets[0], *extra)
+        launches = max(LAUNCHES, self.nsets)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, stream=stream):
-            for i in range(max(LAUNCHES, nsets)):
-                compiled(handle, *sets[i % nsets], *extra)
+        with torch.cuda.graph(graph, stream=self.stream):
+            for i in range(launches):
+                compiled(self.handle, *sets[i % self.nsets], *extra)
         graph.replay()
         torch.cuda.synchronize()
         start, stop = (torch.cuda.Event(enable_timing=True) for _ in range(2))
-        start.record(stream)
-        with torch.cuda.stream(stream):
+        start.record(self.stream)
+        with torch.cuda.stream(self.stream):
             for _ in range(REPLAYS):
                 graph.replay()
-        stop.record(stream)
+        stop.record(self.stream)
         torch.cuda.synchronize()
-        micros = start.elapsed_time(stop) * 1e3 / (REPLAYS * max(LAUNCHES, nsets))
-        result["us_stamped" if timeline else "us"] = micros
+        return start.elapsed_time(stop) * 1e3 / (REPLAYS * launches)
+
+
+def run_point(B, T, split):
+    point = Point(B, T, split)
+    stamps = torch.zeros((B * H * split, STAMPS), dtype=torch.int64, device="cuda")
+    result = {}
+    for timeline in (False, True):
+        compiled = compile_verify(point.config, split, True, "float32", "float32",
+                                  timeline=timeline)
+        extra = operands([stamps]) if timeline else []
+        result["us_stamped" if timeline else "us"] = point.graph_time(compiled, extra)
     result["stamps"] = stamps.cpu().numpy()
     return result
 

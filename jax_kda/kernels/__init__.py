@@ -61,6 +61,14 @@ def compile_verify(config: KdaConfig, split: int, has_bias: bool, conv_dtype: st
     size): call it as (stream, *operands) with `operand_shapes`' order (conv_bias None
     when has_bias is False), then, for the timeline build, the [CTAs, STAMPS] int64
     stamps."""
+    return compile_kernel(verify_kernel(config, split, has_bias, timeline), config, has_bias,
+                          conv_dtype, norm_dtype, options, timeline)
+
+
+def compile_kernel(kernel, config: KdaConfig, has_bias: bool, conv_dtype: str,
+                   norm_dtype: str, options: str = "", timeline: bool = False):
+    """`compile_verify` for a given kernel object (another build of FusedVerify, as
+    tests/gpu_compare.py times against this one)."""
     B, S, R = (cute.sym_int() for _ in range(3))
     shapes = operand_shapes(config, B, S, R)
     dtypes = operand_dtypes(conv_dtype, norm_dtype)
@@ -74,5 +82,4 @@ def compile_verify(config: KdaConfig, split: int, has_bias: bool, conv_dtype: st
     ]
     if not has_bias:
         fakes[7] = None
-    return cute.compile(verify_kernel(config, split, has_bias, timeline), make_fake_stream(),
-                        *fakes, options=options)
+    return cute.compile(kernel, make_fake_stream(), *fakes, options=options)

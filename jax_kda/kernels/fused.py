@@ -5,7 +5,7 @@ verifies this step's T tokens from it in chunked (WY) form and records them.
 Layout: a cluster of `split` CTAs of 256 threads per (request, head); CTA `rank` owns the
 state rows [rank RC, (rank + 1) RC), RC = 128 / split, and every CTA of the item
 recomputes the shared per-token operands (convolution, norms, gate projection, pair
-products). Thread (g, l) of the state pass holds rows g + G r (r < RPT) and the 4-key
+products). Thread (g, l) of the state pass holds rows RPT g + r (r < RPT) and the 4-key
 chunks l + LANES c (c < KCH) of them, LANES threads per row (8 where the accumulators
 fit: each Gamma k / Gamma q vector read from shared memory then feeds 4 rows). Every
 read of an item is issued before any is waited on (latency, not bandwidth, bounds a
@@ -102,7 +102,6 @@ class FusedVerify:
             wide_rows if 2 * tokens * wide_rows <= 40 else max(1, self.rows // 64))
         self.lanes = THREADS * self.rows_per_thread // self.rows  # threads per row
         self.chunks = K // (4 * self.lanes)  # KCH: 4-key chunks per thread and row
-        self.row_groups = self.rows // self.rows_per_thread  # G
 
     def staged_shape(self):
         """This CTA's state rows as they lie in global memory: [RC, K] f32."""
@@ -320,15 +319,19 @@ class FusedVerify:
         dt_gate = cute.make_rmem_tensor(2, Float32)
         for i in cutlass.range_constexpr(2):
             dt_gate[i] = Float32(dt_bias[head * K + 16 * warp + group + 8 * i])
-        # A fragments of m16n8k16: features 16 warp + group (+ 8), ranks 16 chunk + 4 quarter
-        # + [0, 4) in registers 0, 2 (1, 3): the same k permutation as the activations.
+        # A fragments of m16n8k16: features 16 warp + group (+ 8) in registers 0, 2 (1, 3).
+        # The k order is permuted (as the activations' is) so that a thread's ranks of
+        # two chunks are 8 contiguous ones, one 16-byte load: chunk 2 p + j holds ranks
+        # 32 p + 8 quarter + 4 j + [0, 4), which keeps each rank quarter in its two chunks
+        # (gate_mode 1).
         fb_words = cute.make_rmem_tensor((8, 4), cutlass.Uint32)
-        for chunk in cutlass.range_constexpr(8):
+        for pair in cutlass.range_constexpr(4):
             for i in cutlass.range_constexpr(2):
                 feature = head * K + 16 * warp + group + 8 * i
-                low, high = load_words(f_b, wide(feature) * K + 16 * chunk + 4 * quarter)
-                fb_words[chunk, i] = low
-                fb_words[chunk, 2 + i] = high
+                words = load_words(f_b, wide(feature) * K + 32 * pair + 8 * quarter, 4)
+                for j in cutlass.range_constexpr(2):
+                    fb_words[2 * pair + j, i] = words[2 * j]
+                    fb_words[2 * pair + j, 2 + i] = words[2 * j + 1]
         nw = Float32(0.0)
         if tid < self.rows:
             nw = Float32(norm_weight[cute.arch.block_idx()[0] * self.rows + tid])
@@ -435,36 +438,36 @@ class FusedVerify:
         channel, section = tid % K, tid // K
         lane, warp = tid % 32, tid // 32
         if section == 1:
+            # t >= n are masked: their staged bytes may be stale or never staged
+            keys = [cutlass.select_(t < n, Float32(records_in[t, 0, channel]), Float32(0.0))
+                    for t in range(RQ)]
             for first in cutlass.range_constexpr(0, RQ, 8):  # decays in batches of 8
                 tokens = range(first, min(first + 8, RQ))
-                # t >= n are masked: their staged bytes may be stale or never staged
                 gates = [Float32(cutlass.select_(t < n, Float32(records_in[t, 1, channel]),
                                                  Float32(0.0))) for t in tokens]
                 recorded = decays(gates, a_exp, [dt_channel] * len(gates), self.lower_bound)
                 for t, d in zip(tokens, recorded):
                     if t < n:
-                        kp[t, channel] = Float32(records_in[t, 0, channel])
+                        kp[t, channel] = keys[t]
                         old_decays[t, channel] = d
-            keys = [cutlass.select_(t < n, Float32(records_in[t, 0, channel]), Float32(0.0))
-                    for t in range(RQ)]
             squares, index, holds = warp_totals([key * key for key in keys], lane)
             if holds:
                 old_sums[index, warp - 4] = squares
 
     @cute.jit
     def load_activations(self, f_a, request, tid):
-        """The mma B fragments of f_a: token `group` (mod T), ranks 16 chunk + 4 quarter
-        + [0, 4) as two bf16x2 words per chunk (the k permutation of the f_b fragments)."""
+        """The mma B fragments of f_a: token `group` (mod T), chunk 2 p + j holding ranks
+        32 p + 8 quarter + 4 j + [0, 4) as two bf16x2 words (the f_b fragments' k order)."""
         T: cutlass.Constexpr = self.tokens
         lane = tid % 32
         group, quarter = lane // 4, lane % 4
         token_row = wide(request * T + group % T) * K
-        words = cute.make_rmem_tensor((8, 2), cutlass.Uint32)
-        for chunk in cutlass.range_constexpr(8):
-            low, high = load_words(f_a, token_row + 16 * chunk + 4 * quarter)
-            words[chunk, 0] = low
-            words[chunk, 1] = high
-        return words
+        fragments = cute.make_rmem_tensor((8, 2), cutlass.Uint32)
+        for pair in cutlass.range_constexpr(4):
+            words = load_words(f_a, token_row + 32 * pair + 8 * quarter, 4)
+            for i in cutlass.range_constexpr(4):
+                fragments[2 * pair + i // 2, i % 2] = words[i]
+        return fragments
 
     @cute.jit
     def gate_projection(self, activation_words, fb_words, dt_gate, a_exp, decays_out,
@@ -490,14 +493,35 @@ class FusedVerify:
             if cutlass.const_expr(self.gate_mode == 1):
                 total = ((acc[0, e] + acc[1, e]) + acc[2, e]) + acc[3, e]
             raw.append(round_bf16(total))
-        # columns token >= T repeat token % T: real values, computed and dropped
-        gates = decays(raw, a_exp, [dt_gate[e // 2] for e in range(4)], self.lower_bound)
-        for e in cutlass.range_constexpr(4):
-            token = 2 * quarter + e % 2
-            feature = 16 * warp + group + 8 * (e // 2)
-            if token < T:
-                raw_gates[token, feature] = BFloat16(raw[e])
-                decays_out[token, feature] = gates[e]
+        # Lane (group, quarter) holds features 16 warp + group + 8 (e // 2) of columns
+        # 2 quarter + e % 2, and column c is token c % T. For T = 2 and 4 every value is
+        # held twice or four times: each lane takes T / 2 distinct ones (feature half
+        # quarter // 2, tokens T / 2 (quarter % 2) + [0, T / 2)), halving the decays.
+        per: cutlass.Constexpr = T // 2 if T in (2, 4) else 4
+        values, tokens, features, dts = raw, [], [], []
+        if cutlass.const_expr(per < 4):
+            upper = quarter >= 2
+            odd = (quarter % 2) == 1
+            values = []
+            for i in cutlass.range_constexpr(per):
+                if cutlass.const_expr(per == 2):
+                    values.append(cutlass.select_(upper, raw[2 + i], raw[i]))
+                else:
+                    values.append(cutlass.select_(upper, cutlass.select_(odd, raw[3], raw[2]),
+                                                  cutlass.select_(odd, raw[1], raw[0])))
+                tokens.append(per * (quarter % 2) + i)
+                features.append(16 * warp + group + 8 * (quarter // 2))
+                dts.append(cutlass.select_(upper, dt_gate[1], dt_gate[0]))
+        else:
+            for e in cutlass.range_constexpr(4):
+                tokens.append(2 * quarter + e % 2)
+                features.append(16 * warp + group + 8 * (e // 2))
+                dts.append(dt_gate[e // 2])
+        gates = decays(values, a_exp, dts, self.lower_bound)
+        for i in cutlass.range_constexpr(per):
+            if tokens[i] < T:  # columns token >= T (T not 2 or 4) repeat token % T
+                raw_gates[tokens[i], features[i]] = BFloat16(values[i])
+                decays_out[tokens[i], features[i]] = gates[i]
 
     @cute.jit
     def token_vectors(self, activations, norm_sums, decays, xvec, pairs, tid):
@@ -563,9 +587,10 @@ class FusedVerify:
         H: cutlass.Constexpr = self.heads
         RPT: cutlass.Constexpr = self.rows_per_thread
         LANES: cutlass.Constexpr = self.lanes
-        G: cutlass.Constexpr = self.row_groups
+        RC: cutlass.Constexpr = self.rows
         base = (wide(slot) * H + head) * K + row0
         lane_in, row_in = tid % LANES, tid // LANES
+        first_row = row_in * RPT  # of this CTA's rows: one vector load of old_u each t
         acc = cute.make_rmem_tensor((RPT, 2 * T), Float32)
         acc.fill(0.0)
         cute.arch.mbarrier_wait(state_arrived, 0)
@@ -582,20 +607,20 @@ class FusedVerify:
             replayed = cute.make_rmem_tensor((RPT, 4), Float32)
             replayed.fill(0.0)
             for r in cutlass.range_constexpr(RPT):
-                v = load_vec(staged.iterator, (row_in + G * r) * K + key, 4)
+                v = load_vec(staged.iterator, (first_row + r) * K + key, 4)
                 for e in cutlass.range_constexpr(4):
                     rows[r, e] = v[e]
             for t in range(n):
                 k4 = load_vec(kp.iterator, t * K + key, 4)
+                u = load_vec(old_u.iterator, t * RC + first_row, RPT)
                 for r in cutlass.range_constexpr(RPT):
-                    u = old_u[t, row_in + G * r]
                     for e in cutlass.range_constexpr(4):
-                        replayed[r, e] = cute.math.fma(u, k4[e], replayed[r, e])
+                        replayed[r, e] = cute.math.fma(u[r], k4[e], replayed[r, e])
             d4 = load_vec(decay_n.iterator, key, 4)
             for r in cutlass.range_constexpr(RPT):
                 for e in cutlass.range_constexpr(4):
                     rows[r, e] = cute.math.fma(rows[r, e], d4[e], replayed[r, e])
-                target = aligned(state, (base + row_in + G * r) * K + key, 16)
+                target = aligned(state, (base + first_row + r) * K + key, 16)
                 store_f32x4_if(target, [rows[r, e] for e in range(4)], n > 0)
             for j in cutlass.range_constexpr(2 * T):
                 x4 = load_vec(xvec.iterator, j * K + key, 4)
@@ -611,7 +636,7 @@ class FusedVerify:
         for i in cutlass.range_constexpr(per_lane):
             index = lane_in * per_lane + i
             if index < count:
-                dots[row_in + G * (index // (2 * T)), index % (2 * T)] = totals[i]
+                dots[first_row + index // (2 * T), index % (2 * T)] = totals[i]
 
     @cute.jit
     def solve_rows(self, corrections, dots, pair_sums, values_v, betas, outs, rec,

@@ -29,11 +29,13 @@ def load_vec(ptr, offset, width):
     return view.load()
 
 
-def load_words(ptr, offset):
-    """Four bf16 at `ptr + offset` (8 B aligned) as two Uint32, lower index in the low half."""
-    word = cute.make_ptr(Uint32, (ptr + offset).toint(), ptr.memspace, assumed_align=8)
-    pair = cute.make_tensor(word, cute.make_layout(2)).load()
-    return pair[0], pair[1]
+def load_words(ptr, offset, count):
+    """2 count bf16 at `ptr + offset` (4 count bytes aligned) as `count` Uint32 (2 or 4:
+    one vector load), the lower index in each word's low half."""
+    word = cute.make_ptr(Uint32, (ptr + offset).toint(), ptr.memspace,
+                         assumed_align=4 * count)
+    words = cute.make_tensor(word, cute.make_layout(count)).load()
+    return [words[i] for i in range(count)]
 
 
 def load_i32_pair(ptr_a, offset_a, ptr_b, offset_b):

@@ -114,10 +114,10 @@ class FusedVerify:
         return [(BFloat16, (3, K, RQ + 2)), (BFloat16, (T, 3, K)), (BFloat16, (RQ, 2, K))]
 
     def late_buffers(self):
-        """Written from the state pass on: Gamma k and Gamma q [2T, K], the rows' dots
-        [RC, 2T + 1] and outputs [T, RC]."""
+        """Written from the state pass on: Gamma k and Gamma q [2T, K] and the rows' dots
+        [RC, 2T + 1]."""
         T, RC = self.tokens, self.rows
-        return [(Float32, (2 * T, K)), (Float32, (RC, 2 * T + 1)), (Float32, (T, RC))]
+        return [(Float32, (2 * T, K)), (Float32, (RC, 2 * T + 1))]
 
     def scratch_bytes(self):
         return max(footprint(self.early_buffers()), footprint(self.late_buffers()))
@@ -185,7 +185,7 @@ class FusedVerify:
         # share their bytes with the state pass's vectors and the solve's results.
         scratch = smem.allocate(self.scratch_bytes(), byte_alignment=128)
         window_in, x_in, records_in = carve(scratch, self.early_buffers())
-        xvec, dots, outs = carve(scratch, self.late_buffers())
+        xvec, dots = carve(scratch, self.late_buffers())
         (gate_in, kp, old_decays, decay_n, old_u, decays, raw_gates, values_v, norm_sums,
          old_sums, pairs, pair_sums, betas, out_sums, received) = [
             smem.allocate_tensor(dtype, row_major(*shape), byte_alignment=16)
@@ -280,11 +280,10 @@ class FusedVerify:
                             slot, n, head, row0, timeline, tid)
             cute.arch.barrier()
             self.stamp(timeline, 9, tid)
-            self.solve_rows(corrections, dots, pair_sums, values_v, betas, outs, rec,
-                            has_records, head, row0, tid)
-            cute.arch.barrier()
+            outs, gated = self.solve_rows(corrections, dots, pair_sums, values_v, betas,
+                                          gate_in, rec, has_records, head, row0, tid)
             self.stamp(timeline, 10, tid)
-            self.gated_norm(out, gate_in, outs, out_sums, received, exchange, nw, request,
+            self.gated_norm(out, outs, gated, out_sums, received, exchange, nw, request,
                             head, rank, row0, tid)
             self.stamp(timeline, 11, tid)
         else:
@@ -639,13 +638,21 @@ class FusedVerify:
                 dots[first_row + index // (2 * T), index % (2 * T)] = totals[i]
 
     @cute.jit
-    def solve_rows(self, corrections, dots, pair_sums, values_v, betas, outs, rec,
+    def solve_rows(self, corrections, dots, pair_sums, values_v, betas, gate_in, rec,
                    has_records, head, row0, tid):
-        """Per state row (thread < RC): the T x T forward substitution for u_t, the
-        outputs o_t (bf16) into outs, and u_t into the records."""
+        """Per state row (thread < RC): the T x T forward substitution for u_t, u_t into
+        the records; returns the outputs o_t (bf16) and the output gates sigmoid(gate_t)
+        of the row (zeros in the other threads), the gates computed alongside."""
         T: cutlass.Constexpr = self.tokens
         H: cutlass.Constexpr = self.heads
+        outs = cute.make_rmem_tensor(T, Float32)
+        outs.fill(0.0)
+        gated = cute.make_rmem_tensor(T, Float32)
+        gated.fill(0.0)
         if tid < self.rows:
+            gates = sigmoids([Float32(gate_in[t, tid]) for t in range(T)])
+            for t in cutlass.range_constexpr(T):
+                gated[t] = gates[t]
             row = row0 + tid
             us = cute.make_rmem_tensor(T, Float32)
             for t in cutlass.range_constexpr(T):
@@ -660,13 +667,15 @@ class FusedVerify:
                 o = dots[tid, T + t]
                 for s in cutlass.range_constexpr(t + 1):
                     o = cute.math.fma(pair_sums[pair_index(T, t, s, "B")], us[s], o)
-                outs[t, tid] = round_bf16(o)
+                outs[t] = round_bf16(o)
+        return outs, gated
 
     @cute.jit
-    def gated_norm(self, out, gate_in, outs, out_sums, received, exchange, nw, request, head,
+    def gated_norm(self, out, outs, gated, out_sums, received, exchange, nw, request, head,
                    rank, row0, tid):
         """out = bf16(o rsqrt(mean(o^2) + eps) norm_weight sigmoid(gate)) over the K value
-        rows; the sums of squares of the cluster's CTAs meet in every CTA over DSMEM."""
+        rows, from this thread's row's outs and gated (solve_rows); the sums of squares of
+        the cluster's CTAs meet in every CTA over DSMEM."""
         T: cutlass.Constexpr = self.tokens
         H: cutlass.Constexpr = self.heads
         SPLIT: cutlass.Constexpr = self.split
@@ -674,13 +683,7 @@ class FusedVerify:
         NW: cutlass.Constexpr = (RC + 31) // 32  # warps holding this CTA's rows
         lane, warp = tid % 32, tid // 32
         if tid < NW * 32:
-            squares = []
-            for t in cutlass.range_constexpr(T):
-                o = Float32(0.0)
-                if tid < RC:
-                    o = outs[t, tid]
-                squares.append(o * o)
-            total, index, holds = warp_totals(squares, lane)
+            total, index, holds = warp_totals([outs[t] * outs[t] for t in range(T)], lane)
             if holds:
                 out_sums[index, warp] = total
         cute.arch.barrier()
@@ -700,10 +703,9 @@ class FusedVerify:
                     sumsq = tree_sum([out_sums[t, w] for w in range(NW)])
                 means.append(sumsq / K + self.eps)
             rstd = quotients([Float32(1.0)] * T, roots(means))
-            gated = sigmoids([Float32(gate_in[t, tid]) for t in range(T)])
             for t in cutlass.range_constexpr(T):
                 where = wide((request * T + t) * H + head) * K + row
-                out[where] = BFloat16(outs[t, tid] * rstd[t] * nw * gated[t])
+                out[where] = BFloat16(outs[t] * rstd[t] * nw * gated[t])
 
     @cute.jit
     def write_records(self, key_gates, conv, activations, raw_gates, history, inputs, rec,

@@ -25,8 +25,9 @@ from gpu_sanitize import to_torch
 
 H, LAUNCHES, REPLAYS = 32, 32, 10
 PHASE_NAMES = ["weights issued", "griddepcontrol.wait", "reads issued", "gate projection",
-          "operands arrived", "conv, norms, records", "records written, vectors",
-          "state arrived", "state pass", "solve", "gated norm"]
+               "operands arrived", "conv, norms, records", "cluster barrier",
+               "records written, vectors", "state arrived", "state pass", "solve",
+               "gated norm"]
 
 
 def operands(arrays):

@@ -47,7 +47,7 @@ from jax_kda.kernels.primitives import (RN, aligned, bulk_copy, cp_async_16,
                                         transpose_sum, tree_sum, warp_totals, wide)
 
 THREADS = 256
-PHASES = 12  # timeline stamps per CTA (see `stamp`)
+PHASES = 13  # timeline stamps per CTA (see `stamp`)
 STAMPS = 16
 
 
@@ -256,12 +256,13 @@ class FusedVerify:
                               tid)
             cute.arch.griddepcontrol_launch_dependents()
             cute.arch.barrier()
+            self.stamp(timeline, 6, tid)
             if cutlass.const_expr(SPLIT > 1):
                 # Release / acquire: every CTA of the item has read the old window and
                 # records, and every peer's exchange barrier is armed.
                 cute.arch.cluster_arrive()
                 cute.arch.cluster_wait()
-            self.stamp(timeline, 6, tid)
+            self.stamp(timeline, 7, tid)
             # every CTA of the item computed every channel: each writes its share
             if (tid % K) // (K // SPLIT) == rank:
                 self.write_records(key_gates, conv, activations, raw_gates, history, inputs,
@@ -274,18 +275,18 @@ class FusedVerify:
             cute.arch.barrier()
             if tid < NP:
                 pair_sums[tid] = tree_sum([pairs[tid, w] for w in range(4)])
-            self.stamp(timeline, 7, tid)
+            self.stamp(timeline, 8, tid)
 
             self.state_pass(state, staged, state_arrived, xvec, kp, old_u, decay_n, dots,
                             slot, n, head, row0, timeline, tid)
             cute.arch.barrier()
-            self.stamp(timeline, 9, tid)
+            self.stamp(timeline, 10, tid)
             outs, gated = self.solve_rows(corrections, dots, pair_sums, values_v, betas,
                                           gate_in, rec, has_records, head, row0, tid)
-            self.stamp(timeline, 10, tid)
+            self.stamp(timeline, 11, tid)
             self.gated_norm(out, outs, gated, out_sums, received, exchange, nw, request,
                             head, rank, row0, tid)
-            self.stamp(timeline, 11, tid)
+            self.stamp(timeline, 12, tid)
         else:
             cute.arch.cp_async_commit_group()
             cute.arch.cp_async_wait_group(0)  # no copy may land after the CTA is gone
@@ -593,7 +594,7 @@ class FusedVerify:
         acc = cute.make_rmem_tensor((RPT, 2 * T), Float32)
         acc.fill(0.0)
         cute.arch.mbarrier_wait(state_arrived, 0)
-        self.stamp(timeline, 8, tid)
+        self.stamp(timeline, 9, tid)
         for c in cutlass.range_constexpr(self.chunks):
             order = c
             if cutlass.const_expr(LANES < 8):

@@ -3,14 +3,17 @@ verify's grid, block and residency, timed as the verify is (gpu_timeline.Point's
 next to the verify itself. Per CTA: griddepcontrol.wait, the slot (one round trip), the
 CTA's state rows by one bulk copy into shared memory, and the same rows written back
 from there (every request has pending tokens: the verify writes its rows too). No other
-operand is read; the verify's own small reads (about 2% of its bytes) ride alongside the
-state copy. `resident` CTAs per SM are forced by padding shared memory (2: the verify's
-own 88 KB at T = 4) and by the register cap.
+operand is read: the verify's other bytes (window, records, inputs, output, weights;
+about 13% of its total at T = 4) are left out, and the percentages are of the state's
+bytes alone. The copy bandwidth is the benchmark's (`benchmarks/measure.py`).
+`resident` CTAs per SM are forced by padding shared memory (2: the verify's own 88 KB at
+T = 4) and by the register cap.
 
     JAX_PLATFORMS=cpu python tests/gpu_ceiling.py [B,T,SPLIT ...]
 """
 import argparse
 import json
+import pathlib
 import sys
 
 import torch
@@ -25,6 +28,9 @@ from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream
 from jax_kda.kernels.fused import THREADS, row_major
 from jax_kda.kernels.primitives import aligned, bulk_copy, load_vec, wide
 from gpu_timeline import Point
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent / "benchmarks"))
+import measure  # noqa: E402  (benchmarks/ is scripts, not a package)
 
 SHARED_PER_SM = 227 * 1024  # what the CTAs of one SM may share on sm_90
 
@@ -79,27 +85,11 @@ def fakes(heads):
                                      stride_order=(3, 2, 1, 0), assumed_align=16)]
 
 
-def copy_bandwidth():
-    """Read + write bytes per second of a 512 MiB device-to-device copy (CUDA events)."""
-    src = torch.empty(1 << 27, dtype=torch.float32, device="cuda")
-    dst = torch.empty_like(src)
-    dst.copy_(src)
-    start, stop = (torch.cuda.Event(enable_timing=True) for _ in range(2))
-    times = []
-    for _ in range(10):
-        start.record()
-        dst.copy_(src)
-        stop.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(stop) / 1e3)
-    return 2 * src.numel() * 4 / sorted(times)[len(times) // 2]
-
-
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("points", nargs="*", default=["64,4,1", "256,4,1", "1,4,2"])
     args = parser.parse_args()
-    bandwidth = copy_bandwidth()
+    bandwidth = measure.copy_bandwidth(torch)["tbps"] * 1e12
     print(f"{torch.cuda.get_device_name(0)}; copy {bandwidth / 1e12:.3f} TB/s", flush=True)
     picked = [FIELDS.index("slots"), FIELDS.index("state")]
     rows = []

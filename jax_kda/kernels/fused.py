@@ -182,7 +182,7 @@ class FusedVerify:
         staged = smem.allocate_tensor(Float32, row_major(*self.staged_shape()),
                                       byte_alignment=128)
         # The item's small operands, staged by cp.async and read before the state pass,
-        # share their bytes with the state pass's vectors and the solve's results.
+        # share their bytes with the state pass's vectors and the rows' dots.
         scratch = smem.allocate(self.scratch_bytes(), byte_alignment=128)
         window_in, x_in, records_in = carve(scratch, self.early_buffers())
         xvec, dots = carve(scratch, self.late_buffers())

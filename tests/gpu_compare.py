@@ -1,16 +1,20 @@
-"""Two builds of the fused verify in one process: this checkout's against another's (a
+"""Builds of the fused verify in one process: this checkout's against others' (each a
 directory holding that build's fused.py and primitives.py), on the same operands. Per
 point: one step of each on copies of the same cache, every output and cache field
-compared; then the graph time of each (gpu_timeline.Point), alternating ROUNDS times
-so that clock and thermal drift fall on both.
+compared with this build's; then the graph time of each (gpu_timeline.Point),
+alternating ROUNDS times so that clock and thermal drift fall on all of them.
 
     mkdir -p tests/_base && for f in fused primitives; do git show REV:jax_kda/kernels/$f.py \\
       | sed 's/jax_kda.kernels.primitives/primitives/' > tests/_base/$f.py; done
     JAX_PLATFORMS=cpu python tests/gpu_compare.py --baseline tests/_base 64,4,1 1,4,2
+
+--baseline may be given several times; the first is the one changes are reported against.
 """
 import argparse
 import functools
+import importlib.util
 import json
+import os
 import statistics
 import sys
 
@@ -24,21 +28,36 @@ ROUNDS = 3
 CACHE_FIELDS = ("state", "conv", "corrections", "key_gates", "pending")
 
 
-def load_baseline(directory):
-    sys.path.insert(0, directory)  # its fused.py imports `primitives` from there
-    import fused
-    return fused.FusedVerify
+def load_module(name, path):
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def load_build(directory):
+    """(name, FusedVerify) of the build in `directory`, named after it; its fused.py
+    imports `primitives`, which is that directory's while it loads."""
+    name = os.path.basename(os.path.normpath(directory))
+    sys.modules["primitives"] = load_module(f"{name}_primitives",
+                                            os.path.join(directory, "primitives.py"))
+    fused = load_module(f"{name}_fused", os.path.join(directory, "fused.py"))
+    del sys.modules["primitives"]
+    return name, fused.FusedVerify
 
 
 @functools.lru_cache(maxsize=None)
-def builds(config, baseline):
-    """Both builds compiled for `config` (symbolic B: one compile serves every point)."""
+def builds(config, others):
+    """Every build compiled for `config` (symbolic B: one compile serves every point):
+    name -> compiled, the other builds first, then this checkout's."""
     split = config.split
-    ours = verify_kernel(config, split, True)
-    theirs = baseline(config.heads, config.tokens, config.rq, config.gate_mode, True, split,
-                      float(config.lower_bound), config.query_scale, float(config.eps))
+    kernels = [(name, cls(config.heads, config.tokens, config.rq, config.gate_mode, True,
+                          split, float(config.lower_bound), config.query_scale,
+                          float(config.eps))) for name, cls in others]
+    kernels.append(("this", verify_kernel(config, split, True)))
     return {name: compile_kernel(kernel, config, True, "float32", "float32")
-            for name, kernel in (("baseline", theirs), ("this", ours))}
+            for name, kernel in kernels}
 
 
 def one_step(point, compiled):
@@ -64,37 +83,43 @@ def differences(a, b):
 
 def main():
     parser = argparse.ArgumentParser()
-    parser.add_argument("--baseline", required=True)
+    parser.add_argument("--baseline", action="append", required=True)
     parser.add_argument("points", nargs="*", default=["64,4,1", "256,4,1", "1,4,2"])
     args = parser.parse_args()
-    baseline = load_baseline(args.baseline)
+    others = tuple(load_build(directory) for directory in args.baseline)
+    names = [name for name, _ in others] + ["this"]
     print(torch.cuda.get_device_name(0))
     rows = []
     for text in args.points:
         B, T, split = (int(v) for v in text.split(","))
         point = Point(B, T, split)
-        compiled = builds(point.config, baseline)
+        compiled = builds(point.config, others)
         steps = {name: one_step(point, c) for name, c in compiled.items()}
         times = {name: [] for name in compiled}
         for _ in range(ROUNDS):
             for name, c in compiled.items():
                 times[name].append(point.graph_time(c))
         row = dict(B=B, T=T, split=split,
-                   **{f"{name}_us": statistics.median(t) for name, t in times.items()},
+                   us={name: statistics.median(t) for name, t in times.items()},
                    spread_us={name: max(t) - min(t) for name, t in times.items()},
-                   differences=differences(steps["baseline"], steps["this"]),
-                   this_unwritten=int(steps["this"]["out"].isnan().sum()))
+                   differences={name: differences(steps[name], steps["this"])
+                                for name, _ in others},
+                   unwritten={name: int(s["out"].isnan().sum()) for name, s in steps.items()})
         rows.append(row)
         print(json.dumps(row), flush=True)
         del point
         torch.cuda.empty_cache()
-    print(f"\n{'point':>10} {'baseline':>9} {'this':>9} {'change':>7}  differing elements")
+    first = names[0]
+    print(f"\n{'point':>10} " + " ".join(f"{n[:12]:>12}" for n in names)
+          + f"   (change against {first}; elements differing from this build's)")
     for r in rows:
-        change = r["this_us"] / r["baseline_us"] - 1
-        diff = ", ".join(f"{f} {n}" for f, (n, _) in r["differences"].items() if n)
-        print(f"{r['B']:>4},{r['T']},{r['split']:<3} {r['baseline_us']:9.2f} "
-              f"{r['this_us']:9.2f} {100 * change:+6.1f}%  {diff or 'none'}"
-              + (f"; {r['this_unwritten']} outputs unwritten" if r["this_unwritten"] else ""))
+        cells = [f"{r['us'][first]:9.2f} us"] + [
+            f"{100 * (r['us'][n] / r['us'][first] - 1):+11.1f}%" for n in names[1:]]
+        diff = "; ".join(f"{n}: " + (", ".join(f"{f} {c}" for f, (c, _) in d.items() if c)
+                                     or "none") for n, d in r["differences"].items())
+        bad = ", ".join(f"{n} {c}" for n, c in r["unwritten"].items() if c)
+        print(f"{r['B']:>4},{r['T']},{r['split']:<3} " + " ".join(f"{c:>12}" for c in cells)
+              + f"   {diff}" + (f"; outputs unwritten: {bad}" if bad else ""))
 
 
 if __name__ == "__main__":

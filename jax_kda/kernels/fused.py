@@ -233,10 +233,11 @@ class FusedVerify:
                 self.stage(records_in, key_gates, (wide(rec) * H + head) * RQ * 2 * K, 0, 1,
                            RQ * 2 * K, tid)
             cute.arch.cp_async_commit_group()
-            # The state rows go out now where the grid keeps the memory busy (more bytes in
-            # flight), else once the small operands have landed: the CTAs of a small grid
-            # start together, and each one's operands would queue behind all their states
-            # (measured: tests/GPU_RESULTS.md, 2026-11-30 16:50).
+            # The state rows go out now where the grid keeps the memory busy (T <= 4 and
+            # more than CROWDED_CTAS_PER_SM CTAs per SM: more bytes in flight), else once
+            # the small operands have landed: a small grid's CTAs start together and each
+            # one's operands would queue behind all their states, and at T > 4 the state
+            # waits for the pass anyway (tests/GPU_RESULTS.md, 2026-11-30 16:38-16:54).
             ctas = cute.arch.grid_dim()[2] * (H * SPLIT)
             crowded = (ctas > CROWDED_CTAS_PER_SM * cute.arch.nsmid()) & (T <= 4)
             if tid == 0:

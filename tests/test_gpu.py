@@ -193,6 +193,17 @@ def test_split_none_and_one_head():
     run_episode(KdaConfig(heads=1, tokens=4), seed=41)
 
 
+def test_crowded_grid():
+    """The kernel requests a CTA's state rows with its small operands in a crowded grid
+    (T <= 4, more than CROWDED_CTAS_PER_SM CTAs per SM) and after them otherwise; every
+    other test's grid is small. H = 32 at split 8 gives the batch of 6 1536 CTAs."""
+    from jax_kda.kernels.fused import CROWDED_CTAS_PER_SM
+    config = KdaConfig(heads=32, tokens=4, split=8)
+    sms = getattr(jax.devices()[0], "core_count", None) or 132
+    assert 6 * config.heads * config.split > CROWDED_CTAS_PER_SM * sms
+    run_episode(config, seed=53)
+
+
 def test_in_place_under_jit_with_donation():
     """Same buffers after a donated jitted step, and no copy in the compiled HLO."""
     config = KdaConfig(heads=4, tokens=4, split=2)

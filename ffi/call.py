@@ -34,8 +34,8 @@ def choose_split(items: int, sms: int) -> int:
     which the grid puts a CTA on a quarter of the SMs. A large batch streams each state
     with one CTA (the per-token operands computed once per item); a small one spreads
     its rows (B = 1, H = 32 on 132 SMs: split 2). Measured on the H200 at T = 4 (us,
-    benchmarks/RESULTS.md): B = 1: split 1 7.1, 2 7.0, 4 8.1, 8 18.5; B = 4: 1 9.0,
-    2 10.6; B = 64: 1 93.6, 2 145.4; at T = 8, B = 1: 1 11.4, 2 9.6."""
+    benchmarks/RESULTS.md, 16:54 run): B = 1: split 1 6.6, 2 6.5, 4 7.5, 8 16.8; B = 4:
+    1 8.6, 2 9.6; B = 64: 1 88.4, 2 141.3; at T = 8, B = 1: 1 11.1, 2 9.1."""
     for split in SPLITS:
         if items * split >= sms // 4:
             return split

@@ -25,7 +25,8 @@ from gpu_sanitize import to_torch
 
 H, LAUNCHES, REPLAYS = 32, 32, 10
 PHASE_NAMES = ["weights issued", "griddepcontrol.wait", "reads issued", "gate projection",
-               "operands arrived", "conv, norms, records", "cluster barrier",
+               "operands arrived (and a late state request)", "conv, norms, records",
+               "cluster barrier",
                "records written, vectors", "state arrived", "state pass", "solve",
                "gated norm"]
 

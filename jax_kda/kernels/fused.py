@@ -11,7 +11,7 @@ fit: each Gamma k / Gamma q vector read from shared memory then feeds 4 rows). T
 operands of an item are all requested before any is waited on (latency, not bandwidth,
 bounds a CTA's life), by cp.async into shared memory, while the gate projection runs;
 the CTA's state rows (contiguous) by one bulk copy on an mbarrier, with them in a
-crowded grid, else once they have landed (`request_state`). The
+crowded grid, else once they have landed (`CROWDED_CTAS_PER_SM`). The
 IEEE divisions and roots of a thread go in branch-free batches (primitives.quotients)
 so that ptxas can overlap them. The gated RMSNorm's sums of
 squares cross the cluster through distributed shared memory. CTA `rank` writes the

@@ -2,8 +2,9 @@
 (thread 0 of every CTA stamps the SM clock at each phase, and the SM id and global timer
 at its start and end), launched in steady state (a CUDA graph of back-to-back launches
 on rotated cache sets, so the state comes from HBM and PDL overlaps launches as in the
-benchmark). Prints, per point, the mean time of each phase, the CTAs resident per SM and
-the kernel time of the same build without stamps, and writes every stamp to --out.
+benchmark). Prints, per point, the mean time of each phase, the CTAs resident per SM, the
+share of the SMs' CTA slots busy and waiting over a launch, and the kernel time of the
+same build without stamps, and writes every stamp to --out.
 
     JAX_PLATFORMS=cpu python tests/gpu_timeline.py [--out DIR] [B,T,SPLIT ...]
 """
@@ -100,8 +101,10 @@ def run_point(B, T, split):
     return result
 
 
-def summarize(stamps):
-    """Mean phase times (us), the clock rate and CTAs per SM from one launch's stamps."""
+def summarize(stamps, period_us):
+    """Mean phase times (us), the clock rate and CTAs per SM from one launch's stamps, and
+    how the SMs' CTA slots spent the launch period: `busy` past griddepcontrol.wait,
+    `waiting` in it (the first wave, while the previous launch ends), idle the rest."""
     sm, begin, end, clocks = stamps[:, 0], stamps[:, 1], stamps[:, 2], stamps[:, 3:3 + PHASES]
     live = clocks[:, -1] > 0  # padding CTAs stamp only the start
     ghz = (clocks[live, -1] - clocks[live, 0]).sum() / (end[live] - begin[live]).sum()
@@ -110,10 +113,15 @@ def summarize(stamps):
     life = (end[live] - begin[live]) / 1e3
     # resident CTAs per SM, averaged over the kernel's span (sampled every 100 ns)
     grid = np.arange(begin.min(), end.max(), 100)
-    resident = np.mean([np.mean([((begin[sm == s] <= t) & (end[sm == s] > t)).sum()
-                                 for t in grid]) for s in np.unique(sm)])
+    per_sm = np.array([[((begin[sm == s] <= t) & (end[sm == s] > t)).sum() for t in grid]
+                       for s in np.unique(sm)])
+    # slots: the most CTAs seen on one SM at once, on every SM of the device
+    slots = per_sm.max() * torch.cuda.get_device_properties(0).multi_processor_count
+    wait = phases[:, 1].sum()
     return dict(ghz=float(ghz), span_us=float(span), life_us=float(life.mean()),
-                resident=float(resident), ctas=int(live.sum()),
+                resident=float(per_sm.mean()), ctas=int(live.sum()),
+                busy=float((life.sum() - wait) / (slots * period_us)),
+                waiting=float(wait / (slots * period_us)),
                 phases=[float(p) for p in phases.mean(axis=0)])
 
 
@@ -130,17 +138,19 @@ def main():
         B, T, split = (int(v) for v in point.split(","))
         r = run_point(B, T, split)
         rows.append(dict(B=B, T=T, split=split, us=r["us"], us_stamped=r["us_stamped"],
-                         **summarize(r["stamps"])))
+                         **summarize(r["stamps"], r["us_stamped"])))
         if args.out:
             np.save(pathlib.Path(args.out) / f"stamps_{B}_{T}_{split}.npy", r["stamps"])
         print(json.dumps(rows[-1]), flush=True)
     if args.out:
         (pathlib.Path(args.out) / "timeline.json").write_text(json.dumps(rows, indent=1))
-    print(f"\n{'point':>12} {'us':>7} {'stamped':>7} {'life':>6} {'res':>4}  "
+    print(f"\n{'point':>12} {'us':>7} {'stamped':>7} {'life':>6} {'res':>4} {'busy':>5} "
+          f"{'wait':>5}  "
           + " ".join(f"{i:>5}" for i in range(len(PHASE_NAMES))))
     for r in rows:
         print(f"{r['B']:>4},{r['T']},{r['split']:<4} {r['us']:7.2f} "
-              f"{r['us_stamped']:7.2f} {r['life_us']:6.2f} {r['resident']:4.2f}  "
+              f"{r['us_stamped']:7.2f} {r['life_us']:6.2f} {r['resident']:4.2f} "
+              f"{r['busy']:5.1%} {r['waiting']:5.1%}  "
               + " ".join(f"{p:5.2f}" for p in r["phases"]))
     print("phases: " + "; ".join(f"{i} {p}" for i, p in enumerate(PHASE_NAMES)))
 

@@ -103,8 +103,9 @@ def run_point(B, T, split):
 
 def summarize(stamps, period_us):
     """Mean phase times (us), the clock rate and CTAs per SM from one launch's stamps, and
-    how the SMs' CTA slots spent the launch period: `busy` past griddepcontrol.wait,
-    `waiting` in it (the first wave, while the previous launch ends), idle the rest."""
+    how the SMs' CTA slots spent the launch period: `busy` holding a CTA outside
+    griddepcontrol.wait, `waiting` holding one in it (the first wave, while the previous
+    launch ends), idle the rest."""
     sm, begin, end, clocks = stamps[:, 0], stamps[:, 1], stamps[:, 2], stamps[:, 3:3 + PHASES]
     live = clocks[:, -1] > 0  # padding CTAs stamp only the start
     ghz = (clocks[live, -1] - clocks[live, 0]).sum() / (end[live] - begin[live]).sum()

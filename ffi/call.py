@@ -34,9 +34,9 @@ def choose_split(items: int, sms: int) -> int:
     which the grid puts a CTA on a quarter of the SMs. A large batch streams each state
     with one CTA (the per-token operands computed once per item); a small one spreads
     its rows (B = 1, H = 32 on 132 SMs: split 2). Measured on the H200 at T = 4 (us,
-    benchmarks/RESULTS.md, 17:55 run): B = 1: split 1 6.6, 2 6.1, 4 7.2, 8 16.3; B = 4:
-    1 8.6, 2 8.8; B = 64: 1 88.4, 2 129.1; at T = 8, B = 1: 1 11.1, 2 8.8, and B = 4: 1 13.0,
-    2 12.5 (the rule gives up 4% there)."""
+    benchmarks/RESULTS.md, 18:46 run): B = 1: split 1 6.6, 2 5.9, 4 6.4, 8 15.4; B = 4:
+    1 8.6, 2 8.4; B = 64: 1 88.5, 2 124.0; at T = 8, B = 1: 1 11.0, 2 8.6, and B = 4: 1 13.1,
+    2 12.5 (the rule gives up 2% at T = 4 and 5% at T = 8 there)."""
     for split in SPLITS:
         if items * split >= sms // 4:
             return split

@@ -6,8 +6,9 @@ Layout: a cluster of `split` CTAs of 256 threads per (request, head); CTA `rank`
 state rows [rank RC, (rank + 1) RC), RC = 128 / split, and every CTA of the item
 recomputes the shared per-token operands (convolution, norms, gate projection, pair
 products). Thread (g, l) of the state pass holds rows RPT g + r (r < RPT) and the 4-key
-chunks l + LANES c (c < KCH) of them, LANES threads per row (8 where the accumulators
-fit: each Gamma k / Gamma q vector read from shared memory then feeds 4 rows). The small
+chunks l + LANES c (c < KCH) of them, LANES threads per row (RPT = 4 where the
+accumulators fit: each Gamma k / Gamma q vector read from shared memory then feeds 4
+rows). The small
 operands of an item are all requested before any is waited on (latency, not bandwidth,
 bounds a CTA's life), by cp.async into shared memory, while the gate projection runs;
 the CTA's state rows (contiguous) by one bulk copy on an mbarrier, with them in a
@@ -97,11 +98,10 @@ class FusedVerify:
         self.gate_mode, self.has_bias, self.split = gate_mode, has_bias, split
         self.lower_bound, self.scale, self.eps = lower_bound, scale, eps
         self.rows = K // split  # RC: state rows per CTA
-        # RPT: 8 threads per row where the 2T RPT dot accumulators fit the registers,
-        # else 4 (T >= 6 at split 1)
-        wide_rows = max(1, self.rows // 32)
-        self.rows_per_thread = (
-            wide_rows if 2 * tokens * wide_rows <= 40 else max(1, self.rows // 64))
+        # RPT: 4 rows per thread where the 2T x 4 dot accumulators fit the registers
+        # (T <= 5), else 2; at most 32 threads per row (splits >= 4)
+        self.rows_per_thread = min(4 if 2 * tokens * 4 <= 40 else 2,
+                                   self.rows * 32 // THREADS)
         self.lanes = THREADS * self.rows_per_thread // self.rows  # threads per row
         self.chunks = K // (4 * self.lanes)  # KCH: 4-key chunks per thread and row
 

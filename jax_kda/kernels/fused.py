@@ -8,14 +8,13 @@ recomputes the shared per-token operands (convolution, norms, gate projection, p
 products). Thread (g, l) of the state pass holds rows RPT g + r (r < RPT) and the 4-key
 chunks l + LANES c (c < KCH) of them, LANES threads per row (RPT = 4 where the
 accumulators fit: each Gamma k / Gamma q vector read from shared memory then feeds 4
-rows). The small
-operands of an item are all requested before any is waited on (latency, not bandwidth,
-bounds a CTA's life), by cp.async into shared memory, while the gate projection runs;
-the CTA's state rows (contiguous) by one bulk copy on an mbarrier, with them in a
-crowded grid, else once they have landed (`CROWDED_CTAS_PER_SM`). The
-IEEE divisions and roots of a thread go in branch-free batches (primitives.quotients)
-so that ptxas can overlap them. The gated RMSNorm's sums of
-squares cross the cluster through distributed shared memory. CTA `rank` writes the
+rows). The small operands of an item are all requested before any is waited on
+(latency, not bandwidth, bounds a CTA's life), by cp.async into shared memory, while the
+gate projection runs; the CTA's state rows (contiguous) by one bulk copy on an mbarrier,
+with them in a crowded grid, else once they have landed (`CROWDED_CTAS_PER_SM`). The
+IEEE divisions and roots of a thread go in branch-free batches (primitives.quotients) so
+that ptxas can overlap them. The gated RMSNorm's sums of squares cross the cluster
+through distributed shared memory. CTA `rank` writes the
 per-item records (keys, raw gates) and the convolution window of channels
 [rank K / split, (rank + 1) K / split), right after the prologue, once a cluster barrier
 shows that every CTA of the item has read the old ones.

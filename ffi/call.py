@@ -34,13 +34,26 @@ def choose_split(items: int, sms: int) -> int:
     which the grid puts a CTA on a quarter of the SMs. A large batch streams each state
     with one CTA (the per-token operands computed once per item); a small one spreads
     its rows (B = 1, H = 32 on 132 SMs: split 2). Measured on the H200 at T = 4 (us,
-    benchmarks/RESULTS.md, 18:46 run): B = 1: split 1 6.6, 2 5.9, 4 6.4, 8 15.4; B = 4:
-    1 8.6, 2 8.4; B = 64: 1 88.5, 2 124.0; at T = 8, B = 1: 1 11.0, 2 8.6, and B = 4: 1 13.1,
-    2 12.5 (the rule gives up 2% at T = 4 and 5% at T = 8 there)."""
+    benchmarks/RESULTS.md, 20:14 run, CTAs solo where `solo_ctas` says): B = 1: split 1
+    6.6, 2 5.9, 4 6.5, 8 15.6; B = 4: 1 8.3, 2 8.4; B = 64: 1 89.2, 2 125.1; at T = 8,
+    B = 1: 1 11.2, 2 8.9, and B = 4: 1 12.7, 2 12.5 (the rule gives up 2% there)."""
     for split in SPLITS:
         if items * split >= sms // 4:
             return split
     return SPLITS[-1]
+
+
+def solo_ctas(config: KdaConfig, batch: int, split: int, sms: int | None = None) -> bool:
+    """Whether the launch gives each CTA an SM of its own (`FusedVerify`'s solo): where
+    its batch x heads x split CTAs fit the SMs one each, at split 1 or 2. With two CTAs
+    allowed per SM, such a grid, launched while the previous one runs (PDL), can land two
+    to an SM on half the SMs (seen at 128 CTAs). Measured on the H200 against two CTAs allowed
+    (H = 32, tests/GPU_RESULTS.md 20:05-20:11): B = 3 and 4 at split 1 -3..-8% (T = 2,
+    4, 8), B = 2 at split 2 -4%, level on grids of at most 64 CTAs; solo CTAs at splits
+    4 and 8 (clusters of four SMs and more) were 49-58% slower, and above one CTA per SM
+    they take a second wave (B = 8: +17%)."""
+    sms = sm_count() if sms is None else sms
+    return split <= 2 and batch * config.heads * split <= sms
 
 
 def kernel_split(config: KdaConfig, batch: int, has_bias: bool = True,
@@ -82,7 +95,8 @@ def cutedsl_verify(params: KdaParams, cache: KdaCache, inputs: VerifyInputs,
     # one compiled kernel per split, chosen or given
     config = dataclasses.replace(config, split=kernel_split(config, B, has_bias))
     # cached per static configuration: cutlass_call keys its compile cache on this object
-    kernel = verify_kernel(config, config.split, has_bias)
+    kernel = verify_kernel(config, config.split, has_bias,
+                           solo=solo_ctas(config, B, config.split))
     operands = (inputs.x, inputs.f_a, inputs.beta, inputs.gate, inputs.slots,
                 inputs.record_rows, params.conv_weight, params.conv_bias, params.a_log,
                 params.dt_bias, params.f_b, params.norm_weight, cache.state, cache.conv,

@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 
 from jax_kda.config import KdaConfig
-from jax_kda.ffi.call import kernel_split
+from jax_kda.ffi.call import kernel_split, solo_ctas
 from jax_kda.pytrees import KdaCache, KdaParams, VerifyInputs
 
 FIELDS = ("x", "f_a", "beta", "gate", "slots", "record_rows", "conv_weight", "conv_bias",
@@ -70,7 +70,7 @@ def eager_verify(params: KdaParams, cache: KdaCache, inputs: VerifyInputs, out,
                          f"{conv_dtype}, {norm_dtype}")
     split = kernel_split(config, B, has_bias)
     compiled = compile_verify(dataclasses.replace(config, split=split), split, has_bias,
-                              conv_dtype, norm_dtype)
+                              conv_dtype, norm_dtype, solo=solo_ctas(config, B, split))
     tensors = [None if arrays[name] is None else
                from_dlpack(arrays[name], assumed_align=16).mark_layout_dynamic(
                    leading_dim=len(arrays[name].shape) - 1)

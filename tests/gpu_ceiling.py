@@ -97,7 +97,7 @@ def main():
         B, T, split = (int(v) for v in text.split(","))
         point = Point(B, T, split)
         verify_us = point.graph_time(compile_verify(point.config, split, True, "float32",
-                                                    "float32"))
+                                                    "float32", solo=point.solo))
         floor_us = 2 * B * point.config.heads * 128 * 128 * 4 / bandwidth * 1e6
         row = dict(B=B, T=T, split=split, verify_us=verify_us, state_floor_us=floor_us)
         verify_shared = verify_kernel(point.config, split, True).shared_bytes()

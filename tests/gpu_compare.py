@@ -48,14 +48,15 @@ def load_build(directory):
 
 
 @functools.lru_cache(maxsize=None)
-def builds(config, others):
-    """Every build compiled for `config` (symbolic B: one compile serves every point):
-    name -> compiled, the other builds first, then this checkout's."""
+def builds(config, others, solo):
+    """Every build compiled for `config` (symbolic B: one compile serves every point of
+    the same launch shape): name -> compiled, the other builds first, then this
+    checkout's, solo as eager_verify would launch it."""
     split = config.split
     kernels = [(name, cls(config.heads, config.tokens, config.rq, config.gate_mode, True,
                           split, float(config.lower_bound), config.query_scale,
                           float(config.eps))) for name, cls in others]
-    kernels.append(("this", verify_kernel(config, split, True)))
+    kernels.append(("this", verify_kernel(config, split, True, solo=solo)))
     return {name: compile_kernel(kernel, config, True, "float32", "float32")
             for name, kernel in kernels}
 
@@ -93,7 +94,7 @@ def main():
     for text in args.points:
         B, T, split = (int(v) for v in text.split(","))
         point = Point(B, T, split)
-        compiled = builds(point.config, others)
+        compiled = builds(point.config, others, point.solo)
         steps = {name: one_step(point, c) for name, c in compiled.items()}
         times = {name: [] for name in compiled}
         for _ in range(ROUNDS):

@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from jax_kda import KdaConfig
+from jax_kda.ffi import solo_ctas
 from jax_kda.ffi.eager import FIELDS
 from jax_kda.kernels import compile_verify
 from jax_kda.kernels.fused import PHASES, STAMPS
@@ -48,6 +49,7 @@ class Point:
         import cuda.bindings.driver as cuda
 
         self.config = KdaConfig(heads=H, tokens=T, split=split)
+        self.solo = solo_ctas(self.config, B, split)  # the launch shape eager_verify picks
         key = jax.random.key(B)
         params = to_torch(random_params(key, self.config))
         slots, rows = np.arange(1, B + 1), np.arange(B)
@@ -94,7 +96,7 @@ def run_point(B, T, split):
     result = {}
     for timeline in (False, True):
         compiled = compile_verify(point.config, split, True, "float32", "float32",
-                                  timeline=timeline)
+                                  timeline=timeline, solo=point.solo)
         extra = operands([stamps]) if timeline else []
         result["us_stamped" if timeline else "us"] = point.graph_time(compiled, extra)
     result["stamps"] = stamps.cpu().numpy()

@@ -17,7 +17,7 @@ pytest.importorskip("cutlass", reason="needs nvidia-cutlass-dsl")
 from jax import export  # noqa: E402
 
 from jax_kda import KdaConfig, fused_verify  # noqa: E402
-from jax_kda.ffi import choose_split, eager_verify, kernel_split  # noqa: E402
+from jax_kda.ffi import choose_split, eager_verify, kernel_split, solo_ctas  # noqa: E402
 from jax_kda.testing import random_cache, random_inputs, random_params  # noqa: E402
 
 pytestmark = pytest.mark.kernels
@@ -81,6 +81,25 @@ def test_timeline_build_compiles():
                                                 (4, 132, 8), (1, 132, 8)])
 def test_choose_split(items, sms, expected):
     assert choose_split(items, sms) == expected
+
+
+@pytest.mark.parametrize("heads,batch,split,expected", [
+    (32, 4, 1, True), (32, 5, 1, False), (32, 2, 2, True), (32, 3, 2, False),
+    (32, 1, 4, False), (2, 1, 8, False), (32, 64, 1, False), (1, 132, 1, True)])
+def test_solo_ctas(heads, batch, split, expected):
+    """An SM per CTA where the grid fits the 132 SMs at split 1 or 2, never at splits
+    of 4 and more."""
+    assert solo_ctas(KdaConfig(heads=heads, tokens=4), batch, split, sms=132) == expected
+
+
+def test_solo_build_takes_an_sm():
+    """The solo build asks for more than half an SM's shared memory (no second CTA
+    fits), the default build for its own need only (two fit)."""
+    from jax_kda.kernels import verify_kernel
+    from jax_kda.kernels.fused import SOLO_SHARED
+
+    kernel = verify_kernel(KdaConfig(heads=32, tokens=4), 1, True)
+    assert 2 * (kernel.shared_bytes() + 1024) <= 228 * 1024 < 2 * (SOLO_SHARED + 1024)
 
 
 def test_kernel_split_fits_the_shared_memory():

@@ -30,12 +30,13 @@ DTYPES = {"float32": cutlass.Float32, "bfloat16": cutlass.BFloat16, "int32": cut
 
 @functools.lru_cache(maxsize=None)
 def verify_kernel(config: KdaConfig, split: int, has_bias: bool,
-                  timeline: bool = False) -> FusedVerify:
+                  timeline: bool = False, solo: bool = False) -> FusedVerify:
     """The kernel of `config` with `split` CTAs per (request, head); timeline: the
-    diagnostic build that stamps each CTA's phases (tests/gpu_timeline.py)."""
+    diagnostic build that stamps each CTA's phases (tests/gpu_timeline.py); solo: each
+    CTA on an SM of its own (`jax_kda.ffi.solo_ctas`)."""
     return FusedVerify(config.heads, config.tokens, config.rq, config.gate_mode, has_bias,
                        split, float(config.lower_bound), config.query_scale,
-                       float(config.eps), timeline=timeline)
+                       float(config.eps), timeline=timeline, solo=solo)
 
 
 def operand_shapes(config: KdaConfig, B, S, R):
@@ -56,13 +57,14 @@ def operand_dtypes(conv_dtype: str, norm_dtype: str):
 
 @functools.lru_cache(maxsize=None)
 def compile_verify(config: KdaConfig, split: int, has_bias: bool, conv_dtype: str,
-                   norm_dtype: str, options: str = "", timeline: bool = False):
+                   norm_dtype: str, options: str = "", timeline: bool = False,
+                   solo: bool = False):
     """The kernel compiled for symbolic B, S, R (one binary for every batch and cache
     size): call it as (stream, *operands) with `operand_shapes`' order (conv_bias None
     when has_bias is False), then, for the timeline build, the [CTAs, STAMPS] int64
-    stamps."""
-    return compile_kernel(verify_kernel(config, split, has_bias, timeline), config, has_bias,
-                          conv_dtype, norm_dtype, options, timeline)
+    stamps. solo: as `verify_kernel`'s (a launch shape, so the caller picks it per batch)."""
+    return compile_kernel(verify_kernel(config, split, has_bias, timeline, solo), config,
+                          has_bias, conv_dtype, norm_dtype, options, timeline)
 
 
 def compile_kernel(kernel, config: KdaConfig, has_bias: bool, conv_dtype: str,

@@ -48,6 +48,7 @@ from jax_kda.kernels.primitives import (RN, aligned, bulk_copy, cp_async_16,
                                         transpose_sum, tree_sum, warp_totals, wide)
 
 THREADS = 256
+SOLO_SHARED = 120 * 1024  # over half an SM's 228 KB: a solo CTA shares its SM with none
 CROWDED_CTAS_PER_SM = 8  # above it (at T <= 4) the state is requested with the operands
 PHASES = 13  # timeline stamps per CTA (see `stamp`)
 STAMPS = 16
@@ -87,12 +88,13 @@ class FusedVerify:
     order. has_bias: whether conv_bias is given. split: CTAs per (request, head).
     lower_bound, scale, eps: the layer's scalars, compiled in. timeline: the diagnostic
     build (`stamp`; tests/gpu_timeline.py), whose `__call__` takes one more operand, a
-    [CTAs, STAMPS] int64 tensor.
+    [CTAs, STAMPS] int64 tensor. solo: each CTA asks for SOLO_SHARED bytes of shared
+    memory, so that no other CTA shares its SM (jax_kda.ffi.solo_ctas says where).
     """
 
     def __init__(self, heads, tokens, record_tokens, gate_mode, has_bias, split,
-                 lower_bound, scale, eps, timeline=False):
-        self.timeline = timeline
+                 lower_bound, scale, eps, timeline=False, solo=False):
+        self.timeline, self.solo = timeline, solo
         self.heads, self.tokens, self.record_tokens = heads, tokens, record_tokens
         self.gate_mode, self.has_bias, self.split = gate_mode, has_bias, split
         self.lower_bound, self.scale, self.eps = lower_bound, scale, eps
@@ -162,6 +164,7 @@ class FusedVerify:
                     Int32(pending.shape[0])).launch(
             grid=(self.split, self.heads, slots.shape[0]), block=(THREADS, 1, 1),
             cluster=cluster, stream=stream, use_pdl=True, min_blocks_per_mp=2,
+            smem=max(self.shared_bytes(), SOLO_SHARED) if self.solo else None,
             preferred_smem_carveout=100)
 
     @cute.kernel

@@ -46,12 +46,13 @@ def choose_split(items: int, sms: int) -> int:
 def solo_ctas(config: KdaConfig, batch: int, split: int, sms: int | None = None) -> bool:
     """Whether the launch gives each CTA an SM of its own (`FusedVerify`'s solo): where
     its batch x heads x split CTAs fit the SMs one each, at split 1 or 2. With two CTAs
-    allowed per SM, such a grid, launched while the previous one runs (PDL), can land two
-    to an SM on half the SMs (seen at 128 CTAs). Measured on the H200 against two CTAs allowed
-    (H = 32, tests/GPU_RESULTS.md 20:05-20:11): B = 3 and 4 at split 1 -3..-8% (T = 2,
-    4, 8), B = 2 at split 2 -4%, level on grids of at most 64 CTAs; solo CTAs at splits
-    4 and 8 (clusters of four SMs and more) were 49-58% slower, and above one CTA per SM
-    they take a second wave (B = 8: +17%)."""
+    allowed per SM, back-to-back launches put beside each CTA one of the next launch,
+    parked in griddepcontrol.wait (PDL), and a grid may even land two to an SM on half
+    the SMs (seen at split 4). Measured on the H200 against two CTAs allowed (H = 32,
+    tests/GPU_RESULTS.md 20:05-20:30): B = 3 and 4 at split 1 -3..-8% (T = 2, 4, 8),
+    B = 2 at split 2 -4%, level on grids of at most 64 CTAs; solo CTAs at splits 4 and 8
+    (clusters of four SMs and more) were 49-58% slower, and above one CTA per SM they
+    take a second wave (B = 8: +17%)."""
     sms = sm_count() if sms is None else sms
     return split <= 2 and batch * config.heads * split <= sms
 

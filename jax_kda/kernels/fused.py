@@ -14,10 +14,10 @@ gate projection runs; the CTA's state rows (contiguous) by one bulk copy on an m
 with them in a crowded grid, else once they have landed (`CROWDED_CTAS_PER_SM`). The
 IEEE divisions and roots of a thread go in branch-free batches (primitives.quotients) so
 that ptxas can overlap them. The gated RMSNorm's sums of squares cross the cluster
-through distributed shared memory. CTA `rank` writes the
-per-item records (keys, raw gates) and the convolution window of channels
-[rank K / split, (rank + 1) K / split), right after the prologue, once a cluster barrier
-shows that every CTA of the item has read the old ones.
+through distributed shared memory. CTA `rank` writes the per-item records (keys, raw
+gates) and the convolution window of channels [rank K / split, (rank + 1) K / split),
+right after the prologue, once a cluster barrier shows that every CTA of the item has
+read the old ones.
 
 Before `griddepcontrol.wait` the kernel reads only the weights: under XLA the kernel
 that runs just before it may write any other operand (an `accept` scatter, a copy).

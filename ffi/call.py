@@ -34,9 +34,10 @@ def choose_split(items: int, sms: int) -> int:
     which the grid puts a CTA on a quarter of the SMs. A large batch streams each state
     with one CTA (the per-token operands computed once per item); a small one spreads
     its rows (B = 1, H = 32 on 132 SMs: split 2). Measured on the H200 at T = 4 (us,
-    benchmarks/RESULTS.md, 20:14 run, CTAs solo where `solo_ctas` says): B = 1: split 1
-    6.6, 2 5.9, 4 6.5, 8 15.6; B = 4: 1 8.3, 2 8.4; B = 64: 1 89.2, 2 125.1; at T = 8,
-    B = 1: 1 11.2, 2 8.9, and B = 4: 1 12.7, 2 12.5 (the rule gives up 2% there)."""
+    benchmarks/RESULTS.md, 2026-11-30 23:45 run, CTAs solo where `solo_ctas` says):
+    B = 1: split 1 6.3, 2 5.5, 4 6.3, 8 15.5; B = 4: 1 8.3, 2 8.4; B = 64: 1 89.4,
+    2 123.1; at T = 8, B = 1: 1 10.9, 2 8.2, and B = 4: 1 13.1, 2 12.4 (the rule gives up
+    5% there; 2% in the 20:14 run)."""
     for split in SPLITS:
         if items * split >= sms // 4:
             return split

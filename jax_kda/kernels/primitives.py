@@ -38,12 +38,14 @@ def load_words(ptr, offset, count):
     return [words[i] for i in range(count)]
 
 
-def load_i32_pair(ptr_a, offset_a, ptr_b, offset_b):
+def load_i32_pair(ptr_a, offset_a, ptr_b, offset_b, speculative=False):
     """The Int32s at `ptr_a + offset_a` and `ptr_b + offset_b`, both issued before either
     is used: volatile, so that ptxas cannot sink the second into the branch that uses it
-    (which would wait for the first load before issuing it)."""
+    (which would wait for the first load before issuing it). speculative: values that may
+    be stale, read cached in L2 only (an L1 line of them would outlive the read)."""
+    op = "ld.global.cg" if speculative else "ld.volatile.global"
     return cute.arch.inline_ptx(
-        "ld.volatile.global.b32 {$w0}, [{$r0}];\n\tld.volatile.global.b32 {$w1}, [{$r1}];",
+        f"{op}.b32 {{$w0}}, [{{$r0}}];\n\t{op}.b32 {{$w1}}, [{{$r1}}];",
         write_only_types=[Int32, Int32],
         read_only_args=[aligned(ptr_a, offset_a, 4), aligned(ptr_b, offset_b, 4)])
 
@@ -76,6 +78,18 @@ def bulk_copy(smem_ptr, gmem_ptr, size, barrier_ptr):
         "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes "
         "[{$r0}], [{$r1}], {$r2}, [{$r3}];",
         read_only_args=[smem_ptr, gmem_ptr, Int32(size), barrier_ptr])
+
+
+def prefetch_l2(gmem_ptr, size):
+    """cp.async.bulk.prefetch.L2 of `size` bytes (a 16-byte multiple, aligned): a hint
+    that returns no data, so it may run before griddepcontrol.wait."""
+    cute.arch.inline_ptx("cp.async.bulk.prefetch.L2.global [{$r0}], {$r1};",
+                         read_only_args=[gmem_ptr, Int32(size)])
+
+
+def prefetch_line_l2(gmem_ptr):
+    """prefetch.global.L2 of the line holding `gmem_ptr` (any alignment)."""
+    cute.arch.inline_ptx("prefetch.global.L2 [{$r0}];", read_only_args=[gmem_ptr])
 
 
 def store_f32x4_if(gmem_ptr, values, predicate):

@@ -4,7 +4,9 @@
 - Byte models: the fewest bytes each implementation must move per call (each operand
   read once, each result written once), and the cache layout per request.
 - Timers: CUDA events around single launches, CUDA-graph replay of many launches
-  (torch), and a jitted `lax.fori_loop` of many calls for anything under JAX.
+  (torch; PDL overlaps them), the same with each launch a child graph of its own (as
+  XLA's command buffers hold a custom call: no overlap), and a jitted `lax.fori_loop`
+  of many calls for anything under JAX.
 - The device-to-device copy bandwidth, the ceiling every fraction is taken against.
 
 Sizes: B requests, T tokens, H heads, K = 128, RQ record tokens.
@@ -140,6 +142,56 @@ def torch_graph_time(torch, fn, sets: int, calls: int, replays: int):
         end.record()
     torch.cuda.synchronize()
     del graph
+    return median([s.elapsed_time(e) * 1e-3 for s, e in events]) / calls
+
+
+def child_graph_chain(stream, launches):
+    """A CUDA graph whose nodes are child graphs of one launch each (stream capture of
+    each callable in `launches` on `stream`, a CUstream), in a chain: the shape XLA's
+    command buffers give a custom call, which PDL's programmatic edge does not cross, so
+    each launch starts once the previous one has ended. Returns a callable that launches
+    the graph on `stream`."""
+    import cuda.bindings.driver as cuda
+
+    def check(result):
+        if result[0] != cuda.CUresult.CUDA_SUCCESS:
+            raise RuntimeError(f"CUDA driver: {result[0]}")
+        return result[1] if len(result) > 1 else None
+
+    parent = check(cuda.cuGraphCreate(0))
+    node = None
+    for launch in launches:
+        check(cuda.cuStreamBeginCapture(
+            stream, cuda.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_THREAD_LOCAL))
+        launch()
+        child = check(cuda.cuStreamEndCapture(stream))
+        node = check(cuda.cuGraphAddChildGraphNode(
+            parent, [node] if node is not None else None, int(node is not None), child))
+    executable = check(cuda.cuGraphInstantiate(parent, 0))
+    return lambda: check(cuda.cuGraphLaunch(executable, stream))
+
+
+def torch_child_graph_time(torch, fn, sets: int, calls: int, replays: int):
+    """Seconds per call of `fn(i)` as `torch_graph_time`, each launch in a child graph of
+    its own (`child_graph_chain`): the launches do not overlap, as under XLA."""
+    import cuda.bindings.driver as cuda
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    torch.cuda.synchronize()
+    with torch.cuda.stream(side):
+        launches = [lambda i=i: fn(i % sets) for i in range(calls)]
+        replay = child_graph_chain(cuda.CUstream(side.cuda_stream), launches)
+        for _ in range(2):
+            replay()
+        torch.cuda.synchronize()
+        events = [(torch.cuda.Event(enable_timing=True),
+                   torch.cuda.Event(enable_timing=True)) for _ in range(replays)]
+        for start, end in events:
+            start.record()
+            replay()
+            end.record()
+    torch.cuda.synchronize()
     return median([s.elapsed_time(e) * 1e-3 for s, e in events]) / calls
 
 

@@ -162,24 +162,32 @@ def render(results, command=None) -> str:
         out += ["## The cost through JAX: a jitted step of 20 layers (T = 4)", "",
                 "Each layer its own params and cache (donated), `fused_verify` per layer. "
                 "`host`: the jitted step called from Python N times (a decode loop); "
-                "`device`: a jitted fori_loop of N steps (its while loop's own cost included); "
-                "`trace`: host-called steps timed on the device from JAX's profiler trace, "
-                "first kernel's start to last kernel's end (no dispatch, no loop). Overhead per call = (step time - "
-                "layers x raw kernel time) / layers, the raw time from the eager kernel at the "
-                "same B. Command buffers: `--xla_gpu_enable_command_buffer=` (off) or XLA's "
-                "default (on); 'in HLO' counts `command_buffer` in the compiled HLO (0 is "
-                "inconclusive: newer XLA also forms command buffers from thunks after HLO).", ""]
+                "`device`: a jitted fori_loop of N steps (its while loop's own cost "
+                "included); `trace`: host-called steps timed on the device from JAX's "
+                "profiler trace, first kernel's start to last kernel's end (no dispatch, no "
+                "loop). Overhead per call = (step time - layers x raw kernel time) / layers, "
+                "the raw time from the eager kernel at the same B, in a CUDA graph where PDL "
+                "overlaps consecutive launches; 'raw in child graphs': the same kernel with "
+                "each launch a child graph of its own, as XLA's command buffers hold a "
+                "custom call (no overlap), and the overhead against that: what XLA adds "
+                "beyond the lost overlap. Command buffers: "
+                "`--xla_gpu_enable_command_buffer=` (off) or XLA's default (on); 'in HLO' "
+                "counts `command_buffer` in the compiled HLO (0 is inconclusive: newer XLA "
+                "also forms command buffers from thunks after HLO).", ""]
         rows = []
         for r in layers:
             if "error" in r:
-                rows.append([r.get("cmdbuf"), "ERROR", r["error"][:150], "", "", "", "", ""])
+                rows.append([r.get("cmdbuf"), "ERROR", r["error"][:150]] + [""] * 7)
                 continue
             rows.append([r["cmdbuf"], r["mode"], r["B"], f"{r['step_us']:.1f}",
                          f"{r['raw_us']:.2f} ({r['raw_from']})" if "raw_us" in r else "-",
                          f"{r['overhead_us']:.2f}" if "overhead_us" in r else "-",
+                         f"{r['serial_us']:.2f}" if "serial_us" in r else "-",
+                         f"{r['overhead_serial_us']:.2f}" if "serial_us" in r else "-",
                          r.get("command_buffers_in_hlo"), r.get("compile_s")])
         out += [table(["cmdbuf", "mode", "B", "step us", "raw us per layer", "overhead us per call",
-                       "in HLO", "compile s"], rows), ""]
+                       "raw in child graphs", "overhead against it", "in HLO", "compile s"],
+                      rows), ""]
 
     memory = results.get("memory", [])
     if memory:

@@ -51,11 +51,11 @@ def load_build(directory):
 def builds(config, others, solo):
     """Every build compiled for `config` (symbolic B: one compile serves every point of
     the same launch shape): name -> compiled, the other builds first, then this
-    checkout's, solo as eager_verify would launch it."""
+    checkout's, each solo as eager_verify would launch it."""
     split = config.split
     kernels = [(name, cls(config.heads, config.tokens, config.rq, config.gate_mode, True,
                           split, float(config.lower_bound), config.query_scale,
-                          float(config.eps))) for name, cls in others]
+                          float(config.eps), solo=solo)) for name, cls in others]
     kernels.append(("this", verify_kernel(config, split, True, solo=solo)))
     return {name: compile_kernel(kernel, config, True, "float32", "float32")
             for name, kernel in kernels}
@@ -85,6 +85,8 @@ def differences(a, b):
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--baseline", action="append", required=True)
+    parser.add_argument("--serial", action="store_true",
+                        help="each launch a child graph: no PDL overlap, as under XLA")
     parser.add_argument("points", nargs="*", default=["64,4,1", "256,4,1", "1,4,2"])
     args = parser.parse_args()
     others = tuple(load_build(directory) for directory in args.baseline)
@@ -99,7 +101,7 @@ def main():
         times = {name: [] for name in compiled}
         for _ in range(ROUNDS):
             for name, c in compiled.items():
-                times[name].append(point.graph_time(c))
+                times[name].append(point.graph_time(c, serial=args.serial))
         row = dict(B=B, T=T, split=split,
                    us={name: statistics.median(t) for name, t in times.items()},
                    spread_us={name: max(t) - min(t) for name, t in times.items()},

@@ -2,13 +2,16 @@
 (thread 0 of every CTA stamps the SM clock at each phase, and the SM id and global timer
 at its start and end), launched in steady state (a CUDA graph of back-to-back launches
 on rotated cache sets, so the state comes from HBM and PDL overlaps launches as in the
-benchmark). Prints, per point, the mean time of each phase, the CTAs resident per SM, the
-share of the SMs' CTA slots busy and waiting over a launch, and the kernel time of the
-same build without stamps, and writes every stamp to --out.
+benchmark; with --serial, each launch a child graph of its own, as XLA's command buffers
+hold a custom call, so that a launch starts only once the previous one has ended).
+Prints, per point, the mean time of each phase, the CTAs resident per SM, the share of
+the SMs' CTA slots busy and waiting over a launch, and the kernel time of the same build
+without stamps, and writes every stamp to --out.
 
-    JAX_PLATFORMS=cpu python tests/gpu_timeline.py [--out DIR] [B,T,SPLIT ...]
+    JAX_PLATFORMS=cpu python tests/gpu_timeline.py [--out DIR] [--serial] [B,T,SPLIT ...]
 """
 import argparse
+import functools
 import json
 import pathlib
 import sys
@@ -24,6 +27,9 @@ from jax_kda.kernels import compile_verify
 from jax_kda.kernels.fused import PHASES, STAMPS
 from jax_kda.testing import random_cache, random_inputs, random_params
 from gpu_sanitize import to_torch
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent / "benchmarks"))
+import measure  # noqa: E402  (benchmarks/ is scripts, not a package)
 
 H, LAUNCHES, REPLAYS = 32, 32, 10
 PHASE_NAMES = ["weights issued", "griddepcontrol.wait", "reads issued", "gate projection",
@@ -66,31 +72,41 @@ class Point:
                       for c in self.caches]
         self.sets = [operands([n[name] for name in FIELDS]) for n in self.named]
 
-    def graph_time(self, compiled, extra=(), sets=None):
+    def graph_time(self, compiled, extra=(), sets=None, serial=False):
         """Mean microseconds per launch of `compiled`: max(LAUNCHES, sets) back-to-back
-        launches on rotated cache sets in a CUDA graph (PDL overlaps them), replayed
+        launches on rotated cache sets in a CUDA graph (PDL overlaps them; `serial`: each
+        launch a child graph of its own, which PDL's edge does not cross), replayed
         REPLAYS times after one warm-up replay. sets: other operand lists than the
         verify's, one per cache set."""
         sets = sets or self.sets
         compiled(self.handle, *sets[0], *extra)
-        launches = max(LAUNCHES, self.nsets)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, stream=self.stream):
-            for i in range(launches):
-                compiled(self.handle, *sets[i % self.nsets], *extra)
-        graph.replay()
+        launches = [functools.partial(compiled, self.handle, *sets[i % self.nsets], *extra)
+                    for i in range(max(LAUNCHES, self.nsets))]
+        replay = (measure.child_graph_chain(self.handle, launches) if serial
+                  else self.one_graph(launches))
+        replay()
         torch.cuda.synchronize()
         start, stop = (torch.cuda.Event(enable_timing=True) for _ in range(2))
         start.record(self.stream)
-        with torch.cuda.stream(self.stream):
-            for _ in range(REPLAYS):
-                graph.replay()
+        for _ in range(REPLAYS):
+            replay()
         stop.record(self.stream)
         torch.cuda.synchronize()
-        return start.elapsed_time(stop) * 1e3 / (REPLAYS * launches)
+        return start.elapsed_time(stop) * 1e3 / (REPLAYS * len(launches))
+
+    def one_graph(self, launches):
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=self.stream):
+            for launch in launches:
+                launch()
+
+        def replay():
+            with torch.cuda.stream(self.stream):
+                graph.replay()
+        return replay
 
 
-def run_point(B, T, split):
+def run_point(B, T, split, serial=False):
     point = Point(B, T, split)
     stamps = torch.zeros((B * H * split, STAMPS), dtype=torch.int64, device="cuda")
     result = {}
@@ -98,7 +114,8 @@ def run_point(B, T, split):
         compiled = compile_verify(point.config, split, True, "float32", "float32",
                                   timeline=timeline, solo=point.solo)
         extra = operands([stamps]) if timeline else []
-        result["us_stamped" if timeline else "us"] = point.graph_time(compiled, extra)
+        result["us_stamped" if timeline else "us"] = point.graph_time(compiled, extra,
+                                                                      serial=serial)
     result["stamps"] = stamps.cpu().numpy()
     return result
 
@@ -131,6 +148,8 @@ def summarize(stamps, period_us):
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", default=None)
+    parser.add_argument("--serial", action="store_true",
+                        help="each launch a child graph: no PDL overlap, as under XLA")
     parser.add_argument("points", nargs="*", default=["64,4,1", "1,4,2", "64,8,1"])
     args = parser.parse_args()
     print(f"{torch.cuda.get_device_name(0)}")
@@ -139,7 +158,7 @@ def main():
     rows = []
     for point in args.points:
         B, T, split = (int(v) for v in point.split(","))
-        r = run_point(B, T, split)
+        r = run_point(B, T, split, args.serial)
         rows.append(dict(B=B, T=T, split=split, us=r["us"], us_stamped=r["us_stamped"],
                          **summarize(r["stamps"], r["us_stamped"])))
         if args.out:

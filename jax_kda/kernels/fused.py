@@ -45,10 +45,10 @@ from jax_kda.config import K
 from jax_kda.layer import NORM_EPS
 from jax_kda.kernels.primitives import (RN, aligned, bulk_copy, cp_async_16,
                                         decays, exp, load_i32_pair, load_if, load_vec,
-                                        load_words, mma_bf16, prefetch_l2, prefetch_line_l2,
-                                        push_f32, quotients, roots, round_bf16, sigmoids,
-                                        silus_bf16, store_f32x4_if, transpose_sum,
-                                        tree_sum, warp_totals, wide)
+                                        load_words, mma_bf16, prefetch_line_l2, push_f32,
+                                        quotients, roots, round_bf16, sigmoids, silus_bf16,
+                                        store_f32x4_if, transpose_sum, tree_sum,
+                                        warp_totals, wide)
 
 THREADS = 256
 SOLO_SHARED = 120 * 1024  # over half an SM's 228 KB: a solo CTA shares its SM with none
@@ -209,7 +209,7 @@ class FusedVerify:
             # The next launch's CTAs all fit beside this one's, so every CTA starts while
             # the previous launch runs and sits in griddepcontrol.wait: that time warms
             # L2 with the item's operands, which then take L2's latency, not HBM's.
-            self.prefetch(x, f_a, beta, gate, slots, record_rows, state, conv, corrections,
+            self.prefetch(x, f_a, beta, gate, slots, record_rows, conv, corrections,
                           key_gates, pending, num_slots, num_records, request, head, row0,
                           tid)
         self.stamp(timeline, 1, tid)
@@ -368,47 +368,54 @@ class FusedVerify:
         return taps, bias, dt_gate, fb_words, a_log_h, dt_channel, nw
 
     @cute.jit
-    def prefetch(self, x, f_a, beta, gate, slots, record_rows, state, conv, corrections,
-                 key_gates, pending, num_slots, num_records, request, head, row0, tid):
-        """L2 prefetches of the item's reads, before griddepcontrol.wait: warps 0 and 1 the
-        inputs; warp 2, the one warp that waits for a read here, the slot and record row,
-        only to aim the prefetches of the state rows, window and records (a stale or
-        out-of-range value costs a useless prefetch, never a wrong or stray read)."""
+    def prefetch(self, x, f_a, beta, gate, slots, record_rows, conv, corrections, key_gates,
+                 pending, num_slots, num_records, request, head, row0, tid):
+        """L2 prefetches of the item's small reads, before griddepcontrol.wait, one line a
+        lane (`prefetch_rows`): warps 0 and 1 the inputs; warp 2, the one warp that waits
+        for a read here, the slot and record row, only to aim the prefetches of the window
+        and records (a stale or out-of-range value costs a useless prefetch, never a wrong
+        or stray read). Not the state rows: their copy goes out early enough to land
+        before the state pass anyway, and their 32 KB a CTA made a launch that does not
+        overlap its predecessor (under XLA) 4% longer (benchmarks/NOTES.md, change 22)."""
         T: cutlass.Constexpr = self.tokens
         H: cutlass.Constexpr = self.heads
         RQ: cutlass.Constexpr = self.record_tokens
         W: cutlass.Constexpr = RQ + 2
         lane, warp = tid % 32, tid // 32
-        if warp == 0:
-            if lane < 3 * T:  # x [request, t, part, head]: 3 T rows of K
-                prefetch_l2(aligned(x, (wide(request) * 3 * T * H + head) * K + lane * H * K,
-                                    16), K * 2)
-        if warp == 1:
-            if lane < T:  # gate [request, t, head, this CTA's rows]
-                prefetch_l2(aligned(gate, (wide(request) * T * H + head) * K + row0
-                                    + lane * H * K, 16), self.rows * 2)
-            elif lane == T:
-                prefetch_l2(aligned(f_a, wide(request) * T * K, 16), T * K * 2)
-            elif lane == T + 1:
-                prefetch_line_l2(beta + wide(request) * T * H)
+        if warp == 0:  # x [request, t, part, head]: 3 T rows of K
+            self.prefetch_rows(x, (wide(request) * 3 * T * H + head) * K, H * K, 3 * T, K,
+                               lane)
+        if warp == 1:  # gate [request, t, head, this CTA's rows], f_a [request], beta
+            self.prefetch_rows(gate, (wide(request) * T * H + head) * K + row0, H * K, T,
+                               self.rows, lane)
+            self.prefetch_rows(f_a, wide(request) * T * K, 0, 1, T * K, lane)
+            self.prefetch_rows(beta, wide(request) * T * H + head, H, T, 1, lane)
         if warp == 2:
             slot, rec = load_i32_pair(slots, request, record_rows, request, speculative=True)
             if (slot > 0) & (slot < num_slots):
-                if lane == 0:
-                    prefetch_l2(aligned(state, ((wide(slot) * H + head) * K + row0) * K, 16),
-                                self.rows * K * 4)
-                elif lane < 4:
-                    prefetch_l2(aligned(conv, self.window_base(slot, lane - 1, head, 0), 16),
-                                K * W * 2)
+                self.prefetch_rows(conv, self.window_base(slot, 0, head, 0), H * K * W, 3,
+                                   K * W, lane)
             if (rec >= 0) & (rec < num_records):
-                if lane == 4:
-                    prefetch_l2(aligned(corrections, (wide(rec) * H + head) * RQ * K, 16),
-                                RQ * K * 4)
-                elif lane == 5:
-                    prefetch_l2(aligned(key_gates, (wide(rec) * H + head) * RQ * 2 * K, 16),
-                                RQ * 2 * K * 2)
-                elif lane == 6:
+                self.prefetch_rows(corrections, (wide(rec) * H + head) * RQ * K, 0, 1,
+                                   RQ * K, lane)
+                self.prefetch_rows(key_gates, (wide(rec) * H + head) * RQ * 2 * K, 0, 1,
+                                   RQ * 2 * K, lane)
+                if lane == 0:
                     prefetch_line_l2(pending + rec)
+
+    @cute.jit
+    def prefetch_rows(self, src, base, stride, rows: cutlass.Constexpr,
+                      row_elems: cutlass.Constexpr, lane):
+        """prefetch.global.L2 of the lines of `rows` rows of `row_elems` elements at
+        src + base + r stride, one line a lane per round: per-lane addresses, where a bulk
+        prefetch takes its address from uniform registers, one lane at a time."""
+        per_line: cutlass.Constexpr = 128 * 8 // src.dtype.width
+        lines: cutlass.Constexpr = (row_elems + per_line - 1) // per_line
+        for r in cutlass.range_constexpr((rows * lines + 31) // 32):
+            i = lane + 32 * r
+            if i < rows * lines:
+                prefetch_line_l2(src + (base + wide(i // lines) * stride
+                                        + (i % lines) * per_line))
 
     @cute.jit
     def request_state(self, staged, state, state_arrived, slot, head, row0):

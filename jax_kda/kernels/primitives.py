@@ -80,13 +80,6 @@ def bulk_copy(smem_ptr, gmem_ptr, size, barrier_ptr):
         read_only_args=[smem_ptr, gmem_ptr, Int32(size), barrier_ptr])
 
 
-def prefetch_l2(gmem_ptr, size):
-    """cp.async.bulk.prefetch.L2 of `size` bytes (a 16-byte multiple, aligned): a hint
-    that returns no data, so it may run before griddepcontrol.wait."""
-    cute.arch.inline_ptx("cp.async.bulk.prefetch.L2.global [{$r0}], {$r1};",
-                         read_only_args=[gmem_ptr, Int32(size)])
-
-
 def prefetch_line_l2(gmem_ptr):
     """prefetch.global.L2 of the line holding `gmem_ptr` (any alignment)."""
     cute.arch.inline_ptx("prefetch.global.L2 [{$r0}];", read_only_args=[gmem_ptr])

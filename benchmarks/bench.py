@@ -486,7 +486,7 @@ class Bench:
                     row["overhead_serial_us"] = (row["step_us"] - row["layers"] * serial[0]
                                                  ) / row["layers"]
                 self.results["layers20"].append(row)
-                self.log(f"  20 layers, cmdbuf {setting}: " + ", ".join(
+                self.log(f"  {self.args.layers} layers, cmdbuf {setting}: " + ", ".join(
                     f"{k}={v:.2f}" if isinstance(v, float) else f"{k}={v}"
                     for k, v in row.items() if k not in ("xla_flags",)))
             self.costs["layers20"] = time.perf_counter() - start

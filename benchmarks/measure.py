@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import statistics
 import time
+import weakref
 
 from jax_kda.config import CONV_TAPS, K
 
@@ -131,18 +132,25 @@ def torch_graph_time(torch, fn, sets: int, calls: int, replays: int):
     with torch.cuda.graph(graph, capture_error_mode="thread_local"):
         for i in range(calls):
             fn(i % sets)
+    seconds = replay_time(torch, graph.replay, replays)
+    del graph
+    return seconds / calls
+
+
+def replay_time(torch, replay, replays: int):
+    """Median seconds of `replay()` (a graph launch) on the current stream over `replays`
+    calls, CUDA events around each, after two warm-up calls."""
     for _ in range(2):
-        graph.replay()
+        replay()
     torch.cuda.synchronize()
     events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
               for _ in range(replays)]
     for start, end in events:
         start.record()
-        graph.replay()
+        replay()
         end.record()
     torch.cuda.synchronize()
-    del graph
-    return median([s.elapsed_time(e) * 1e-3 for s, e in events]) / calls
+    return median([s.elapsed_time(e) * 1e-3 for s, e in events])
 
 
 def child_graph_chain(stream, launches):
@@ -150,7 +158,7 @@ def child_graph_chain(stream, launches):
     each callable in `launches` on `stream`, a CUstream), in a chain: the shape XLA's
     command buffers give a custom call, which PDL's programmatic edge does not cross, so
     each launch starts once the previous one has ended. Returns a callable that launches
-    the graph on `stream`."""
+    the graph on `stream`; the graph is destroyed with it."""
     import cuda.bindings.driver as cuda
 
     def check(result):
@@ -167,8 +175,14 @@ def child_graph_chain(stream, launches):
         child = check(cuda.cuStreamEndCapture(stream))
         node = check(cuda.cuGraphAddChildGraphNode(
             parent, [node] if node is not None else None, int(node is not None), child))
+        check(cuda.cuGraphDestroy(child))  # the node holds a clone
     executable = check(cuda.cuGraphInstantiate(parent, 0))
-    return lambda: check(cuda.cuGraphLaunch(executable, stream))
+    check(cuda.cuGraphDestroy(parent))
+
+    def replay():
+        check(cuda.cuGraphLaunch(executable, stream))
+    weakref.finalize(replay, cuda.cuGraphExecDestroy, executable)
+    return replay
 
 
 def torch_child_graph_time(torch, fn, sets: int, calls: int, replays: int):
@@ -182,17 +196,7 @@ def torch_child_graph_time(torch, fn, sets: int, calls: int, replays: int):
     with torch.cuda.stream(side):
         launches = [lambda i=i: fn(i % sets) for i in range(calls)]
         replay = child_graph_chain(cuda.CUstream(side.cuda_stream), launches)
-        for _ in range(2):
-            replay()
-        torch.cuda.synchronize()
-        events = [(torch.cuda.Event(enable_timing=True),
-                   torch.cuda.Event(enable_timing=True)) for _ in range(replays)]
-        for start, end in events:
-            start.record()
-            replay()
-            end.record()
-    torch.cuda.synchronize()
-    return median([s.elapsed_time(e) * 1e-3 for s, e in events]) / calls
+        return replay_time(torch, replay, replays) / calls
 
 
 def wall_times(fn, reps: int):

@@ -4,11 +4,13 @@ verifies this step's T tokens from it in chunked (WY) form and records them.
 
 Layout: a cluster of `split` CTAs of 256 threads per (request, head); CTA `rank` owns the
 state rows [rank RC, (rank + 1) RC), RC = 128 / split, and every CTA of the item
-recomputes the shared per-token operands (convolution, norms, gate projection, pair
-products). Thread (g, l) of the state pass holds rows RPT g + r (r < RPT) and the 4-key
-chunks l + LANES c (c < KCH) of them, LANES threads per row (RPT = 4 where the
-accumulators fit: each Gamma k / Gamma q vector read from shared memory then feeds 4
-rows). The small operands of an item are all requested before any is waited on
+recomputes the shared per-token operands (convolution, norms, pair products); the gate
+projection is shared instead: each CTA projects the features of its channel share,
+reading 1 / split of f_b[h], and pushes their decays to every CTA of the item over
+distributed shared memory. Thread (g, l) of the state pass holds rows RPT g + r
+(r < RPT) and the 4-key chunks l + LANES c (c < KCH) of them, LANES threads per row
+(RPT = 4 where the accumulators fit: each Gamma k / Gamma q vector read from shared
+memory then feeds 4 rows). The small operands of an item are all requested before any is waited on
 (latency, not bandwidth, bounds a CTA's life), by cp.async into shared memory, while the
 gate projection runs; the CTA's state rows (contiguous) by one bulk copy on an mbarrier,
 with them in a crowded grid, else once they have landed (`CROWDED_CTAS_PER_SM`). The
@@ -144,7 +146,7 @@ class FusedVerify:
         """Dynamic shared memory per CTA (an upper bound: every alignment padded)."""
         staged = footprint([(Float32, self.staged_shape())])
         return (staged + 128 + self.scratch_bytes() + 128
-                + footprint(self.shared_buffers().values()) + 16 + 8 + 8)
+                + footprint(self.shared_buffers().values()) + 16 + 3 * 8)
 
     @cute.jit
     def __call__(self, stream: cuda.CUstream, x: cute.Tensor, f_a: cute.Tensor,
@@ -199,11 +201,27 @@ class FusedVerify:
             for dtype, shape in self.shared_buffers().values()]
         exchange = smem.allocate_array(Int64, 1, byte_alignment=8)
         state_arrived = smem.allocate_array(Int64, 1, byte_alignment=8)
+        gates_arrived = smem.allocate_array(Int64, 1, byte_alignment=8)
         self.stamp(timeline, 0, tid)
+        # f_b is read once per cluster: the last 8 / split warps of CTA `rank` project the
+        # 16-feature blocks of its channel share (rank 8 / split + [0, 8 / split)) and
+        # push the decays to every CTA of the item (gate_projection). The last warps:
+        # section 1's convolution is the lighter one.
+        PW: cutlass.Constexpr = 8 // SPLIT
+        block = tid // 32 - (8 - PW) + rank * PW
+        projecting = True if SPLIT == 1 else tid // 32 >= 8 - PW
+        if cutlass.const_expr(SPLIT > 1):
+            if tid == 0:
+                cute.arch.mbarrier_init(gates_arrived, 1)
+                cute.arch.mbarrier_init_fence()
+                cute.arch.mbarrier_arrive_and_expect_tx(gates_arrived, T * K * 4)
+            # waited on before the pushes: the peers' barriers are armed by then
+            cute.arch.cluster_arrive_relaxed()
 
         # The weights: the only operands no earlier op of the program can be writing.
         taps, bias, dt_gate, fb_words, a_log_h, dt_channel, nw = self.load_weights(
-            conv_weight, conv_bias, a_log, dt_bias, f_b, norm_weight, head, tid)
+            conv_weight, conv_bias, a_log, dt_bias, f_b, norm_weight, head, projecting, block,
+            tid)
         ctas = cute.arch.grid_dim()[2] * (H * SPLIT)
         if 2 * ctas <= (1 if self.solo else 2) * cute.arch.nsmid():
             # The next launch's CTAs all fit beside this one's, so every CTA starts while
@@ -219,7 +237,7 @@ class FusedVerify:
         slot, rec = load_i32_pair(slots, request, record_rows, request)
         # While the slot is on its way: every read that does not depend on it (loaded
         # here, used only once every other read of the item is in flight).
-        activation_words = self.load_activations(f_a, request, tid)
+        activation_words = self.load_activations(f_a, request, projecting, tid)
         beta_t = load_if(beta, wide(request * T + cutlass.min(tid, T - 1)) * H + head,
                          tid < T)
         self.stage(x_in, x, (wide(request) * 3 * T * H + head) * K, H * K, 3 * T, K, tid)
@@ -263,8 +281,11 @@ class FusedVerify:
                     self.request_state(staged, state, state_arrived, slot, head, row0)
             self.stamp(timeline, 3, tid)
             a_exp = exp(a_log_h)
-            self.gate_projection(activation_words, fb_words, dt_gate, a_exp, decays,
-                                 raw_gates, tid)
+            if cutlass.const_expr(SPLIT > 1):
+                cute.arch.cluster_wait()
+            if projecting:
+                self.gate_projection(activation_words, fb_words, dt_gate, a_exp, decays,
+                                     raw_gates, gates_arrived, block, tid)
             # the pending count and beta arrive behind the slot: used only now
             n = cutlass.max(cutlass.min(pending_n, Int32(RQ)), Int32(0))
             if tid < T:
@@ -299,6 +320,8 @@ class FusedVerify:
                                    rec, has_records, slot, head, tid)
 
             if section == 0:
+                if cutlass.const_expr(SPLIT > 1):
+                    cute.arch.mbarrier_wait(gates_arrived, 0)
                 self.token_vectors(activations, norm_sums, decays, xvec, pairs, tid)
             else:
                 self.replay_vectors(kp, old_decays, old_sums, decay_n, n, tid)
@@ -318,6 +341,8 @@ class FusedVerify:
                             head, rank, row0, tid)
             self.stamp(timeline, 12, tid)
         else:
+            if cutlass.const_expr(SPLIT > 1):
+                cute.arch.cluster_wait()  # this thread's arrival is matched
             cute.arch.cp_async_commit_group()
             cute.arch.cp_async_wait_group(0)  # no copy may land after the CTA is gone
             if tid < RC:
@@ -327,12 +352,12 @@ class FusedVerify:
 
     @cute.jit
     def load_weights(self, conv_weight, conv_bias, a_log, dt_bias, f_b, norm_weight,
-                     head, tid):
+                     head, projecting, block, tid):
         """Conv taps and bias of this thread's channel (q and k, or v), exp(a_log), the
-        dt_bias values it needs, its warp's f_b mma fragments, its row's norm weight."""
+        dt_bias values it needs, the f_b mma fragments of feature block `block` if its warp
+        is `projecting`, its row's norm weight."""
         H: cutlass.Constexpr = self.heads
         channel, section = tid % K, tid // K
-        lane, warp = tid % 32, tid // 32
         taps = cute.make_rmem_tensor((2, 4), Float32)
         bias = cute.make_rmem_tensor(2, Float32)
         bias.fill(0.0)
@@ -345,27 +370,35 @@ class FusedVerify:
                     bias[s] = Float32(conv_bias[(part * H + head) * K + channel])
         a_log_h = Float32(a_log[head])
         dt_channel = Float32(dt_bias[head * K + channel])
-        group, quarter = lane // 4, lane % 4
         dt_gate = cute.make_rmem_tensor(2, Float32)
-        for i in cutlass.range_constexpr(2):
-            dt_gate[i] = Float32(dt_bias[head * K + 16 * warp + group + 8 * i])
-        # A fragments of m16n8k16: features 16 warp + group (+ 8) in registers 0, 2 (1, 3).
-        # The k order is permuted (as the activations' is) so that a thread's ranks of
-        # two chunks are 8 contiguous ones, one 16-byte load: chunk 2 p + j holds ranks
-        # 32 p + 8 quarter + 4 j + [0, 4), which keeps each rank quarter in its two chunks
-        # (gate_mode 1).
         fb_words = cute.make_rmem_tensor((8, 4), cutlass.Uint32)
-        for pair in cutlass.range_constexpr(4):
-            for i in cutlass.range_constexpr(2):
-                feature = head * K + 16 * warp + group + 8 * i
-                words = load_words(f_b, wide(feature) * K + 32 * pair + 8 * quarter, 4)
-                for j in cutlass.range_constexpr(2):
-                    fb_words[2 * pair + j, i] = words[2 * j]
-                    fb_words[2 * pair + j, 2 + i] = words[2 * j + 1]
+        if projecting:
+            self.load_projection(dt_bias, f_b, head, dt_gate, fb_words, block, tid)
         nw = Float32(0.0)
         if tid < self.rows:
             nw = Float32(norm_weight[cute.arch.block_idx()[0] * self.rows + tid])
         return taps, bias, dt_gate, fb_words, a_log_h, dt_channel, nw
+
+    @cute.jit
+    def load_projection(self, dt_bias, f_b, head, dt_gate, fb_words, block, tid):
+        """The dt_bias values of features 16 block + [0, 16) into dt_gate and their f_b
+        mma fragments into fb_words."""
+        lane = tid % 32
+        group, quarter = lane // 4, lane % 4
+        for i in cutlass.range_constexpr(2):
+            dt_gate[i] = Float32(dt_bias[head * K + 16 * block + group + 8 * i])
+        # A fragments of m16n8k16: features 16 block + group (+ 8) in registers 0, 2 (1, 3).
+        # The k order is permuted (as the activations' is) so that a thread's ranks of
+        # two chunks are 8 contiguous ones, one 16-byte load: chunk 2 p + j holds ranks
+        # 32 p + 8 quarter + 4 j + [0, 4), which keeps each rank quarter in its two chunks
+        # (gate_mode 1).
+        for pair in cutlass.range_constexpr(4):
+            for i in cutlass.range_constexpr(2):
+                feature = head * K + 16 * block + group + 8 * i
+                words = load_words(f_b, wide(feature) * K + 32 * pair + 8 * quarter, 4)
+                for j in cutlass.range_constexpr(2):
+                    fb_words[2 * pair + j, i] = words[2 * j]
+                    fb_words[2 * pair + j, 2 + i] = words[2 * j + 1]
 
     @cute.jit
     def prefetch(self, x, f_a, beta, gate, slots, record_rows, conv, corrections, key_gates,
@@ -542,27 +575,31 @@ class FusedVerify:
                 old_sums[index, warp - 4] = squares
 
     @cute.jit
-    def load_activations(self, f_a, request, tid):
-        """The mma B fragments of f_a: token `group` (mod T), chunk 2 p + j holding ranks
-        32 p + 8 quarter + 4 j + [0, 4) as two bf16x2 words (the f_b fragments' k order)."""
+    def load_activations(self, f_a, request, projecting, tid):
+        """The mma B fragments of f_a (if `projecting`): token `group` (mod T), chunk 2 p + j
+        holding ranks 32 p + 8 quarter + 4 j + [0, 4) as two bf16x2 words (the f_b
+        fragments' k order)."""
         T: cutlass.Constexpr = self.tokens
         lane = tid % 32
         group, quarter = lane // 4, lane % 4
         token_row = wide(request * T + group % T) * K
         fragments = cute.make_rmem_tensor((8, 2), cutlass.Uint32)
-        for pair in cutlass.range_constexpr(4):
-            words = load_words(f_a, token_row + 32 * pair + 8 * quarter, 4)
-            for i in cutlass.range_constexpr(4):
-                fragments[2 * pair + i // 2, i % 2] = words[i]
+        if projecting:
+            for pair in cutlass.range_constexpr(4):
+                words = load_words(f_a, token_row + 32 * pair + 8 * quarter, 4)
+                for i in cutlass.range_constexpr(4):
+                    fragments[2 * pair + i // 2, i % 2] = words[i]
         return fragments
 
     @cute.jit
     def gate_projection(self, activation_words, fb_words, dt_gate, a_exp, decays_out,
-                        raw_gates, tid):
-        """raw_g = bf16(f_a . f_b[h]^T) with bf16 mma (warp w: features 16 w + [0, 16),
-        tokens as the 8 columns), and this step's decays."""
+                        raw_gates, gates_arrived, block, tid):
+        """raw_g = bf16(f_a . f_b[h]^T) with bf16 mma (this warp: features 16 block +
+        [0, 16), tokens as the 8 columns) into raw_gates, and this step's decays into
+        decays_out, pushed to every CTA of the cluster (their `gates_arrived`) where
+        split > 1."""
         T: cutlass.Constexpr = self.tokens
-        lane, warp = tid % 32, tid // 32
+        lane = tid % 32
         group, quarter = lane // 4, lane % 4
         chains: cutlass.Constexpr = 4 if self.gate_mode == 1 else 1
         acc = cute.make_rmem_tensor((chains, 4), Float32)
@@ -580,7 +617,7 @@ class FusedVerify:
             if cutlass.const_expr(self.gate_mode == 1):
                 total = ((acc[0, e] + acc[1, e]) + acc[2, e]) + acc[3, e]
             raw.append(round_bf16(total))
-        # Lane (group, quarter) holds features 16 warp + group + 8 (e // 2) of columns
+        # Lane (group, quarter) holds features 16 block + group + 8 (e // 2) of columns
         # 2 quarter + e % 2, and column c is token c % T. For T = 2 and 4 every value is
         # held twice or four times: each lane takes T / 2 distinct ones (feature half
         # quarter // 2, tokens T / 2 (quarter % 2) + [0, T / 2)), halving the decays.
@@ -597,18 +634,23 @@ class FusedVerify:
                     values.append(cutlass.select_(upper, cutlass.select_(odd, raw[3], raw[2]),
                                                   cutlass.select_(odd, raw[1], raw[0])))
                 tokens.append(per * (quarter % 2) + i)
-                features.append(16 * warp + group + 8 * (quarter // 2))
+                features.append(16 * block + group + 8 * (quarter // 2))
                 dts.append(cutlass.select_(upper, dt_gate[1], dt_gate[0]))
         else:
             for e in cutlass.range_constexpr(4):
                 tokens.append(2 * quarter + e % 2)
-                features.append(16 * warp + group + 8 * (e // 2))
+                features.append(16 * block + group + 8 * (e // 2))
                 dts.append(dt_gate[e // 2])
         gates = decays(values, a_exp, dts, self.lower_bound)
         for i in cutlass.range_constexpr(per):
             if tokens[i] < T:  # columns token >= T (T not 2 or 4) repeat token % T
                 raw_gates[tokens[i], features[i]] = BFloat16(values[i])
-                decays_out[tokens[i], features[i]] = gates[i]
+                if cutlass.const_expr(self.split > 1):
+                    for peer in cutlass.range_constexpr(self.split):
+                        push_f32(decays_out.iterator + tokens[i] * K + features[i], gates[i],
+                                 gates_arrived, peer)
+                else:
+                    decays_out[tokens[i], features[i]] = gates[i]
 
     @cute.jit
     def token_vectors(self, activations, norm_sums, decays, xvec, pairs, tid):

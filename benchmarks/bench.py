@@ -531,15 +531,15 @@ class Bench:
                        speedup >= 3, f"{speedup / 3:.2f} of target")
         ours = find("ours-eager", 1)
         if ours:
-            target("latency B=1 T=4", "<= 5.5 us", f"{ours['us']:.2f} us", ours["us"] <= 5.5,
-                   f"{ours['us'] - 5.5:+.2f} us")
+            target("latency B=1 T=4", "<= 5.5 us", f"{ours['us']:.3f} us", ours["us"] <= 5.5,
+                   f"{ours['us'] - 5.5:+.3f} us")
         for row in self.results["layers20"]:
             if row.get("cmdbuf") == "on" and "overhead_us" in row:
                 how = {"host": "host loop", "device": "device loop", "trace": "device trace"}
                 target(f"JAX overhead B={row['B']} (20 layers, cmdbuf on, {how[row['mode']]})",
                        "<= 1.5 us per call",
-                       f"{row['overhead_us']:.2f} us", row["overhead_us"] <= 1.5,
-                       f"{row['overhead_us'] - 1.5:+.2f} us")
+                       f"{row['overhead_us']:.3f} us", row["overhead_us"] <= 1.5,
+                       f"{row['overhead_us'] - 1.5:+.3f} us")
         for B, issue_us in FLA_ISSUE_US.items():  # the peer as the issue measured it
             fla = find("fla-recurrence", B)
             if fla:

@@ -2,24 +2,24 @@
 state replays the accepted tokens of the last verify into the checkpoint (closed form),
 verifies this step's T tokens from it in chunked (WY) form and records them.
 
-Layout: a cluster of `split` CTAs of 256 threads per (request, head); CTA `rank` owns the
-state rows [rank RC, (rank + 1) RC), RC = 128 / split, and every CTA of the item
+Layout: a cluster of `split` CTAs of 256 threads per (request, head); CTA `rank` owns
+the state rows [rank RC, (rank + 1) RC), RC = 128 / split, and every CTA of the item
 recomputes the shared per-token operands (convolution, norms, pair products); the gate
 projection is shared instead: each CTA projects the features of its channel share,
 reading 1 / split of f_b[h], and pushes their decays to every CTA of the item over
 distributed shared memory. Thread (g, l) of the state pass holds rows RPT g + r
 (r < RPT) and the 4-key chunks l + LANES c (c < KCH) of them, LANES threads per row
 (RPT = 4 where the accumulators fit: each Gamma k / Gamma q vector read from shared
-memory then feeds 4 rows). The small operands of an item are all requested before any is waited on
-(latency, not bandwidth, bounds a CTA's life), by cp.async into shared memory, while the
-gate projection runs; the CTA's state rows (contiguous) by one bulk copy on an mbarrier,
-with them in a crowded grid, else once they have landed (`CROWDED_CTAS_PER_SM`). The
-IEEE divisions and roots of a thread go in branch-free batches (primitives.quotients) so
-that ptxas can overlap them. The gated RMSNorm's sums of squares cross the cluster
-through distributed shared memory. CTA `rank` writes the per-item records (keys, raw
-gates) and the convolution window of channels [rank K / split, (rank + 1) K / split),
-right after the prologue, once a cluster barrier shows that every CTA of the item has
-read the old ones.
+memory then feeds 4 rows). The small operands of an item are all requested before any
+is waited on (latency, not bandwidth, bounds a CTA's life), by cp.async into shared
+memory, while the gate projection runs; the CTA's state rows (contiguous) by one bulk
+copy on an mbarrier, with them in a crowded grid, else once they have landed
+(`CROWDED_CTAS_PER_SM`). The IEEE divisions and roots of a thread go in branch-free
+batches (primitives.quotients) so that ptxas can overlap them. The gated RMSNorm's sums
+of squares cross the cluster through distributed shared memory. CTA `rank` writes the
+per-item records (keys, raw gates) and the convolution window of channels
+[rank K / split, (rank + 1) K / split), right after the prologue, once a cluster barrier
+shows that every CTA of the item has read the old ones.
 
 Before `griddepcontrol.wait` the kernel reads only the weights: under XLA the kernel
 that runs just before it may write any other operand (an `accept` scatter, a copy). A
@@ -220,8 +220,8 @@ class FusedVerify:
 
         # The weights: the only operands no earlier op of the program can be writing.
         taps, bias, dt_gate, fb_words, a_log_h, dt_channel, nw = self.load_weights(
-            conv_weight, conv_bias, a_log, dt_bias, f_b, norm_weight, head, projecting, block,
-            tid)
+            conv_weight, conv_bias, a_log, dt_bias, f_b, norm_weight, head, projecting,
+            block, tid)
         ctas = cute.arch.grid_dim()[2] * (H * SPLIT)
         if 2 * ctas <= (1 if self.solo else 2) * cute.arch.nsmid():
             # The next launch's CTAs all fit beside this one's, so every CTA starts while

@@ -236,8 +236,8 @@ def summary(results) -> str:
             lines.append(f"B={B:<4} " + "".join(f"{c:>17}" for c in cells))
     for r in results.get("layers20", []):
         if "step_us" in r:
-            lines.append(f"{r['layers']} layers B={r['B']} cmdbuf {r['cmdbuf']} {r['mode']}: step "
-                         f"{r['step_us']:.1f} us, overhead/call "
+            lines.append(f"{r['layers']} layers B={r['B']} cmdbuf {r['cmdbuf']} "
+                         f"{r['mode']}: step {r['step_us']:.1f} us, overhead/call "
                          + (f"{r['overhead_us']:.2f} us" if "overhead_us" in r else "-"))
         else:
             lines.append(f"20 layers cmdbuf {r.get('cmdbuf')}: {r.get('error', '')[:200]}")

@@ -108,9 +108,10 @@ def loop_operands(config: KdaConfig, B: int, nsets: int, seed: int):
             jnp.stack([s.record_rows for s in sets]))
 
 
-def accepted_tokens(cache, sets):
-    """(sum of n, requests with n > 0) over the first set: what the replay moves."""
-    n = np.asarray(cache.pending)[np.asarray(sets[0].record_rows)]
+def accepted_tokens(cache, inputs):
+    """(sum of n, requests with n > 0) over the requests of `inputs`: what the replay
+    moves."""
+    n = np.asarray(cache.pending)[np.asarray(inputs.record_rows)]
     return int(n.sum()), int((n > 0).sum())
 
 
@@ -335,7 +336,7 @@ class Bench:
         probe = measure.verify_bytes(H, T, B, B * T, B)["total"]
         nsets = measure.rotation_sets(probe)
         params, cache, sets = make_problem(config, B, nsets, seed=B * 10 + T)
-        n_total, writes = accepted_tokens(cache, sets)
+        n_total, writes = accepted_tokens(cache, sets[0])
         nbytes = measure.verify_bytes(H, T, B, n_total, writes)["total"]
         kernel = peers.KernelEager(self.torch, params, cache, sets, config)
         events, graph, note = self.torch_timings(kernel, nsets, B)
@@ -441,7 +442,7 @@ class Bench:
         config = KdaConfig(heads=self.args.heads, tokens=T)
         params, cache, fixed, slots, rows_ = jax.block_until_ready(
             loop_operands(config, B, nsets, seed))
-        n_total, writes = accepted_tokens(cache, [fixed])
+        n_total, writes = accepted_tokens(cache, fixed)
         nbytes = measure.verify_bytes(self.args.heads, T, B, n_total, writes)["total"]
         state = {"cache": cache}
 

@@ -9,6 +9,10 @@ alternating ROUNDS times so that clock and thermal drift fall on all of them.
     JAX_PLATFORMS=cpu python tests/gpu_compare.py --baseline tests/_base 64,4,1 1,4,2
 
 --baseline may be given several times; the first is the one changes are reported against.
+--between M,N,K puts a bf16 GEMM [M, K] x [K, N] in front of every launch, as a model's
+other layers run between its verify calls (a verify's time is then the pair's less the
+GEMM's alone); --clock adds each build's SM clock from its timeline build (the clock
+the verify's CTAs ran at: gpu_timeline.summarize).
 """
 import argparse
 import functools
@@ -22,7 +26,8 @@ import torch
 
 from jax_kda.ffi.eager import FIELDS
 from jax_kda.kernels import compile_kernel, verify_kernel
-from gpu_timeline import Point, operands
+from jax_kda.kernels.fused import STAMPS
+from gpu_timeline import Point, operands, summarize
 
 ROUNDS = 3
 CACHE_FIELDS = ("state", "conv", "corrections", "key_gates", "pending")
@@ -48,17 +53,37 @@ def load_build(directory):
 
 
 @functools.lru_cache(maxsize=None)
-def builds(config, others, solo):
+def builds(config, others, solo, timeline=False):
     """Every build compiled for `config` (symbolic B: one compile serves every point of
     the same launch shape): name -> compiled, the other builds first, then this
-    checkout's, each solo as eager_verify would launch it."""
+    checkout's, each solo as eager_verify would launch it; timeline: their stamped
+    builds."""
     split = config.split
     kernels = [(name, cls(config.heads, config.tokens, config.rq, config.gate_mode, True,
                           split, float(config.lower_bound), config.query_scale,
-                          float(config.eps), solo=solo)) for name, cls in others]
-    kernels.append(("this", verify_kernel(config, split, True, solo=solo)))
-    return {name: compile_kernel(kernel, config, True, "float32", "float32")
+                          float(config.eps), timeline=timeline, solo=solo))
+               for name, cls in others]
+    kernels.append(("this", verify_kernel(config, split, True, timeline, solo)))
+    return {name: compile_kernel(kernel, config, True, "float32", "float32",
+                                 timeline=timeline)
             for name, kernel in kernels}
+
+
+def gemm(shape):
+    """A callable running one bf16 GEMM of `shape` (M, N, K) on fresh random operands."""
+    M, N, K = shape
+    a = torch.randn((M, K), dtype=torch.bfloat16, device="cuda")
+    w = torch.randn((K, N), dtype=torch.bfloat16, device="cuda") * K**-0.5
+    c = torch.empty((M, N), dtype=torch.bfloat16, device="cuda")
+    return functools.partial(torch.matmul, a, w, out=c)
+
+
+def clock(point, compiled, serial, before):
+    """GHz the stamped build's CTAs ran at, in the timed graph's steady state."""
+    stamps = torch.zeros((point.out.shape[0] * point.config.heads * point.config.split,
+                          STAMPS), dtype=torch.int64, device="cuda")
+    period = point.graph_time(compiled, operands([stamps]), serial=serial, before=before)
+    return summarize(stamps.cpu().numpy(), period)["ghz"]
 
 
 def one_step(point, compiled):
@@ -87,8 +112,11 @@ def main():
     parser.add_argument("--baseline", action="append", required=True)
     parser.add_argument("--serial", action="store_true",
                         help="each launch a child graph: no PDL overlap, as under XLA")
+    parser.add_argument("--between", default=None, help="M,N,K of a bf16 GEMM before each launch")
+    parser.add_argument("--clock", action="store_true", help="each build's SM clock too")
     parser.add_argument("points", nargs="*", default=["64,4,1", "256,4,1", "1,4,2"])
     args = parser.parse_args()
+    before = gemm([int(v) for v in args.between.split(",")]) if args.between else None
     others = tuple(load_build(directory) for directory in args.baseline)
     names = [name for name, _ in others] + ["this"]
     print(torch.cuda.get_device_name(0))
@@ -99,15 +127,26 @@ def main():
         compiled = builds(point.config, others, point.solo)
         steps = {name: one_step(point, c) for name, c in compiled.items()}
         times = {name: [] for name in compiled}
+        alone = []  # the GEMM's share of each pair's time
         for _ in range(ROUNDS):
             for name, c in compiled.items():
-                times[name].append(point.graph_time(c, serial=args.serial))
+                times[name].append(point.graph_time(c, serial=args.serial, before=before))
+            if before is not None:
+                alone.append(point.graph_time(lambda *_: None, serial=args.serial,
+                                              before=before))
+        if alone:
+            times = {name: [t - a for t, a in zip(ts, alone)] for name, ts in times.items()}
         row = dict(B=B, T=T, split=split,
                    us={name: statistics.median(t) for name, t in times.items()},
                    spread_us={name: max(t) - min(t) for name, t in times.items()},
                    differences={name: differences(steps[name], steps["this"])
                                 for name, _ in others},
                    unwritten={name: int(s["out"].isnan().sum()) for name, s in steps.items()})
+        if alone:
+            row["gemm_us"] = statistics.median(alone)
+        if args.clock:
+            row["ghz"] = {name: clock(point, c, args.serial, before) for name, c in
+                          builds(point.config, others, point.solo, True).items()}
         rows.append(row)
         print(json.dumps(row), flush=True)
         del point
@@ -121,8 +160,9 @@ def main():
         diff = "; ".join(f"{n}: " + (", ".join(f"{f} {c}" for f, (c, _) in d.items() if c)
                                      or "none") for n, d in r["differences"].items())
         bad = ", ".join(f"{n} {c}" for n, c in r["unwritten"].items() if c)
+        ghz = ("   GHz " + " ".join(f"{r['ghz'][n]:.3f}" for n in names)) if "ghz" in r else ""
         print(f"{r['B']:>4},{r['T']},{r['split']:<3} " + " ".join(f"{c:>12}" for c in cells)
-              + f"   {diff}" + (f"; outputs unwritten: {bad}" if bad else ""))
+              + f"   {diff}" + (f"; outputs unwritten: {bad}" if bad else "") + ghz)
 
 
 if __name__ == "__main__":

@@ -72,16 +72,23 @@ class Point:
                       for c in self.caches]
         self.sets = [operands([n[name] for name in FIELDS]) for n in self.named]
 
-    def graph_time(self, compiled, extra=(), sets=None, serial=False):
+    def graph_time(self, compiled, extra=(), sets=None, serial=False, before=None):
         """Mean microseconds per launch of `compiled`: max(LAUNCHES, sets) back-to-back
         launches on rotated cache sets in a CUDA graph (PDL overlaps them; `serial`: each
         launch a child graph of its own, which PDL's edge does not cross), replayed
         REPLAYS times after one warm-up replay. sets: other operand lists than the
-        verify's, one per cache set."""
+        verify's, one per cache set. before: work (torch, on this stream) put in front of
+        every launch, as a model's other layers run between its verify calls."""
         sets = sets or self.sets
-        compiled(self.handle, *sets[0], *extra)
-        launches = [functools.partial(compiled, self.handle, *sets[i % self.nsets], *extra)
-                    for i in range(max(LAUNCHES, self.nsets))]
+
+        def launch(i):
+            if before is not None:
+                with torch.cuda.stream(self.stream):
+                    before()
+            compiled(self.handle, *sets[i % self.nsets], *extra)
+
+        launch(0)
+        launches = [functools.partial(launch, i) for i in range(max(LAUNCHES, self.nsets))]
         replay = (measure.child_graph_chain(self.handle, launches) if serial
                   else self.one_graph(launches))
         replay()

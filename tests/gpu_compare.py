@@ -112,7 +112,8 @@ def main():
     parser.add_argument("--baseline", action="append", required=True)
     parser.add_argument("--serial", action="store_true",
                         help="each launch a child graph: no PDL overlap, as under XLA")
-    parser.add_argument("--between", default=None, help="M,N,K of a bf16 GEMM before each launch")
+    parser.add_argument("--between", default=None,
+                        help="M,N,K of a bf16 GEMM before each launch")
     parser.add_argument("--clock", action="store_true", help="each build's SM clock too")
     parser.add_argument("points", nargs="*", default=["64,4,1", "256,4,1", "1,4,2"])
     args = parser.parse_args()

@@ -31,16 +31,20 @@ def sm_count(device=None) -> int:
 
 def choose_split(items: int, sms: int) -> int:
     """CTAs per (request, head) for `items` = B x H on `sms` SMs: the smallest split at
-    which the grid puts a CTA on a quarter of the SMs. A large batch streams each state
-    with one CTA (the per-token operands computed once per item); a small one spreads
-    its rows (B = 1, H = 32 on 132 SMs: split 2). Measured on the H200 at T = 4 (us,
-    benchmarks/RESULTS.md, 2026-11-30 23:45 run, CTAs solo where `solo_ctas` says):
-    B = 1: split 1 6.3, 2 5.5, 4 6.3, 8 15.5; B = 4: 1 8.3, 2 8.4; B = 64: 1 89.4,
-    2 123.1; at T = 8, B = 1: 1 10.9, 2 8.2, and B = 4: 1 13.1, 2 12.4 (the rule gives up
-    5% there; 2% in the 20:14 run)."""
+    which the grid puts a CTA on a quarter of the SMs, and at least 2 while the split-2
+    grid still fits the SMs one CTA each. A large batch streams each state with one CTA
+    (the per-token operands computed once per item); a small one spreads its rows over
+    SMs that would otherwise stay idle (H = 32 on 132 SMs: split 2 for B <= 2). Measured
+    on the H200 (us, H = 32, split 1 / 2; launched back to back as the benchmark does and,
+    in parentheses, one at a time as under XLA; benchmarks/RESULTS.md of 2026-12-01 04:49
+    and tests/GPU_RESULTS.md 08:41-08:45): B = 1, T = 4: 6.2 / 5.4 (7.17 / 6.36; split 4
+    6.1, 6.86); B = 2, T = 2, 4, 8: 6.10 / 5.46, 6.98 / 6.01, 11.64 / 9.18 (6.69 / 5.92,
+    7.85 / 6.98, 11.67 / 9.40); B = 3: 6.86 / 7.26, 7.42 / 8.22, 12.11 / 12.24 (7.64 /
+    7.86, 8.01 / 8.42, 12.39 / 12.77); B = 4, T = 4: 8.1 / 8.0 (9.12 / 9.27); B = 64:
+    88.9 / 119.4."""
     for split in SPLITS:
         if items * split >= sms // 4:
-            return split
+            return 2 if split == 1 and 2 * items <= sms else split
     return SPLITS[-1]
 
 

@@ -77,9 +77,12 @@ def test_timeline_build_compiles():
                           timeline=True) is not None
 
 
-@pytest.mark.parametrize("items,sms,expected", [(2048, 132, 1), (33, 132, 1), (32, 132, 2),
-                                                (4, 132, 8), (1, 132, 8)])
+@pytest.mark.parametrize("items,sms,expected", [
+    (2048, 132, 1), (96, 132, 1), (67, 132, 1), (66, 132, 2), (64, 132, 2), (33, 132, 2),
+    (32, 132, 2), (17, 132, 2), (16, 132, 4), (4, 132, 8), (1, 132, 8), (64, 78, 1)])
 def test_choose_split(items, sms, expected):
+    """Split 2 while its grid fits the SMs one CTA each (B <= 2 at H = 32 on 132 SMs),
+    more where a quarter of the SMs would otherwise be idle, else 1."""
     assert choose_split(items, sms) == expected
 
 

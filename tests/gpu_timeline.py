@@ -5,8 +5,9 @@ on rotated cache sets, so the state comes from HBM and PDL overlaps launches as 
 benchmark; with --serial, each launch a child graph of its own, as XLA's command buffers
 hold a custom call, so that a launch starts only once the previous one has ended).
 Prints, per point, the mean time of each phase, the CTAs resident per SM, the share of
-the SMs' CTA slots busy and waiting over a launch, and the kernel time of the same build
-without stamps, and writes every stamp to --out.
+the SMs' CTA slots busy and waiting over a launch, how often CTAs sharing an SM run their
+state passes together, and the kernel time of the same build without stamps, and writes
+every stamp to --out.
 
     JAX_PLATFORMS=cpu python tests/gpu_timeline.py [--out DIR] [--serial] [B,T,SPLIT ...]
 """
@@ -152,6 +153,26 @@ def summarize(stamps, period_us):
                 phases=[float(p) for p in phases.mean(axis=0)])
 
 
+def neighbours(stamps):
+    """Whether the CTAs sharing an SM run their state passes together: the share of a
+    CTA's life after griddepcontrol.wait spent in the state pass, and the share of its
+    state pass during which another CTA of its SM is in its own (SM clocks compare on
+    one SM). Equal shares: the neighbours' phases are independent; more: in step."""
+    sm, clocks = stamps[:, 0], stamps[:, 3:3 + PHASES]
+    live = clocks[:, -1] > 0
+    sm, clocks = sm[live], clocks[live]
+    start, stop = clocks[:, 9], clocks[:, 10]  # the state pass: stamps 9 to 10
+    shared = 0
+    for s in np.unique(sm):
+        on = np.where(sm == s)[0]
+        overlap = (np.minimum(stop[on, None], stop[None, on])
+                   - np.maximum(start[on, None], start[None, on])).clip(0)
+        shared += overlap.sum() - np.trace(overlap)
+    passes = (stop - start).sum()
+    return dict(pass_share=float(passes / (clocks[:, -1] - clocks[:, 2]).sum()),
+                pass_shared=float(shared / passes))
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", default=None)
@@ -167,20 +188,24 @@ def main():
         B, T, split = (int(v) for v in point.split(","))
         r = run_point(B, T, split, args.serial)
         rows.append(dict(B=B, T=T, split=split, us=r["us"], us_stamped=r["us_stamped"],
-                         **summarize(r["stamps"], r["us_stamped"])))
+                         **summarize(r["stamps"], r["us_stamped"]),
+                         **neighbours(r["stamps"])))
         if args.out:
             np.save(pathlib.Path(args.out) / f"stamps_{B}_{T}_{split}.npy", r["stamps"])
         print(json.dumps(rows[-1]), flush=True)
     if args.out:
         (pathlib.Path(args.out) / "timeline.json").write_text(json.dumps(rows, indent=1))
     print(f"\n{'point':>12} {'us':>7} {'stamped':>7} {'life':>6} {'res':>4} {'busy':>5} "
-          f"{'wait':>5}  "
+          f"{'wait':>5} {'pass':>5} {'both':>5}  "
           + " ".join(f"{i:>5}" for i in range(len(PHASE_NAMES))))
     for r in rows:
         print(f"{r['B']:>4},{r['T']},{r['split']:<4} {r['us']:7.2f} "
               f"{r['us_stamped']:7.2f} {r['life_us']:6.2f} {r['resident']:4.2f} "
-              f"{r['busy']:5.1%} {r['waiting']:5.1%}  "
+              f"{r['busy']:5.1%} {r['waiting']:5.1%} {r['pass_share']:5.1%} "
+              f"{r['pass_shared']:5.1%}  "
               + " ".join(f"{p:5.2f}" for p in r["phases"]))
+    print("pass: the state pass's share of a CTA's life after the wait; both: the share of "
+          "its state pass that another CTA of its SM spends in its own")
     print("phases: " + "; ".join(f"{i} {p}" for i, p in enumerate(PHASE_NAMES)))
 
 

@@ -325,6 +325,14 @@ class FusedVerify:
                 self.token_vectors(activations, norm_sums, decays, xvec, pairs, tid)
             else:
                 self.replay_vectors(kp, old_decays, old_sums, decay_n, n, tid)
+                # The solve's output gates, here where section 1 waits for section 0
+                # rather than on the path after the state pass: into old_decays, whose
+                # column `channel` (= row) only this thread read, and for the last time.
+                row = tid - K
+                if row < RC:
+                    gates = sigmoids([Float32(gate_in[t, row]) for t in range(T)])
+                    for t in cutlass.range_constexpr(T):
+                        old_decays[t, row] = gates[t]
             cute.arch.barrier()
             if tid < NP:
                 pair_sums[tid] = tree_sum([pairs[tid, w] for w in range(4)])
@@ -335,7 +343,7 @@ class FusedVerify:
             cute.arch.barrier()
             self.stamp(timeline, 10, tid)
             outs, gated = self.solve_rows(corrections, dots, pair_sums, values_v, betas,
-                                          gate_in, rec, has_records, head, row0, tid)
+                                          old_decays, rec, has_records, head, row0, tid)
             self.stamp(timeline, 11, tid)
             self.gated_norm(out, outs, gated, out_sums, received, exchange, nw, request,
                             head, rank, row0, tid)
@@ -734,12 +742,19 @@ class FusedVerify:
             key = 4 * (lane_in + LANES * order)
             rows = cute.make_rmem_tensor((RPT, 4), Float32)
             replayed = cute.make_rmem_tensor((RPT, 4), Float32)
-            replayed.fill(0.0)
             for r in cutlass.range_constexpr(RPT):
                 v = load_vec(staged.iterator, (first_row + r) * K + key, 4)
                 for e in cutlass.range_constexpr(4):
                     rows[r, e] = v[e]
-            for t in range(n):
+            if n > 0:  # token 0's products start the sums: no zeroed accumulators
+                k4 = load_vec(kp.iterator, key, 4)
+                u = load_vec(old_u.iterator, first_row, RPT)
+                for r in cutlass.range_constexpr(RPT):
+                    for e in cutlass.range_constexpr(4):
+                        replayed[r, e] = cute.math.fma(u[r], k4[e], Float32(0.0))
+            else:
+                replayed.fill(0.0)
+            for t in range(1, n):
                 k4 = load_vec(kp.iterator, t * K + key, 4)
                 u = load_vec(old_u.iterator, t * RC + first_row, RPT)
                 for r in cutlass.range_constexpr(RPT):
@@ -768,11 +783,11 @@ class FusedVerify:
                 dots[first_row + index // (2 * T), index % (2 * T)] = totals[i]
 
     @cute.jit
-    def solve_rows(self, corrections, dots, pair_sums, values_v, betas, gate_in, rec,
+    def solve_rows(self, corrections, dots, pair_sums, values_v, betas, output_gates, rec,
                    has_records, head, row0, tid):
         """Per state row (thread < RC): the T x T forward substitution for u_t, u_t into
         the records; returns the outputs o_t (bf16) and the output gates sigmoid(gate_t)
-        of the row (zeros in the other threads), the gates computed alongside."""
+        of the row, taken from output_gates [T, RC] (zeros in the other threads)."""
         T: cutlass.Constexpr = self.tokens
         H: cutlass.Constexpr = self.heads
         outs = cute.make_rmem_tensor(T, Float32)
@@ -780,9 +795,8 @@ class FusedVerify:
         gated = cute.make_rmem_tensor(T, Float32)
         gated.fill(0.0)
         if tid < self.rows:
-            gates = sigmoids([Float32(gate_in[t, tid]) for t in range(T)])
             for t in cutlass.range_constexpr(T):
-                gated[t] = gates[t]
+                gated[t] = output_gates[t, tid]
             row = row0 + tid
             us = cute.make_rmem_tensor(T, Float32)
             for t in cutlass.range_constexpr(T):

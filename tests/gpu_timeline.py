@@ -157,7 +157,8 @@ def neighbours(stamps):
     """Whether the CTAs sharing an SM run their state passes together: the share of a
     CTA's life after griddepcontrol.wait spent in the state pass, and the share of its
     state pass during which another CTA of its SM is in its own (SM clocks compare on
-    one SM). Equal shares: the neighbours' phases are independent; more: in step."""
+    one SM). Independent phases give about the first times the share of the time a
+    neighbour is resident; more means in step, less apart."""
     sm, clocks = stamps[:, 0], stamps[:, 3:3 + PHASES]
     live = clocks[:, -1] > 0
     sm, clocks = sm[live], clocks[live]

@@ -12,13 +12,16 @@
   and the gated RMSNorm (`layer_norm_gated_fwd`, sigmoid gate).
 
 Each is built from the same JAX-made operands (`jax_kda.testing`), converted by DLPack;
-`rotating` operand sets live side by side so consecutive calls touch cold memory.
+`rotating` operand sets live side by side so consecutive calls touch cold memory, the
+weights included: each set has its own copy, as each layer of a model has its own,
+cold when the layer runs.
 """
 from __future__ import annotations
 
 import os
 import sys
 
+import jax
 import numpy as np
 
 from jax_kda.config import K
@@ -47,6 +50,12 @@ def as_torch_tree(torch, tree):
     return type(tree)(**fields)
 
 
+def per_set(weights, sets: int):
+    """`weights` (a pytree of torch tensors) and sets - 1 clones of it: one per operand
+    set, so that a call finds its weights cold, as a model's layer does."""
+    return [weights] + [jax.tree.map(lambda a: a.clone(), weights) for _ in range(sets - 1)]
+
+
 def kernel_eager_unavailable(torch):
     """None if the eager kernel path can run here, else why not."""
     if not cuda_ready(torch):
@@ -64,13 +73,14 @@ def kernel_eager_unavailable(torch):
 class KernelEager:
     """Our kernel on torch tensors. `params`, `cache` and `sets` (a list of
     VerifyInputs, one per rotation set, each with its own slots and record rows) are
-    JAX pytrees; the cache is one buffer set holding every set's slots."""
+    JAX pytrees; the cache is one buffer set holding every set's slots, the weights a
+    copy per set."""
 
     def __init__(self, torch, params, cache, sets, config):
         from jax_kda.ffi import eager_verify
 
         self.torch, self.config, self._verify = torch, config, eager_verify
-        self.params = as_torch_tree(torch, params)
+        self.params = per_set(as_torch_tree(torch, params), len(sets))
         self.cache = as_torch_tree(torch, cache)
         self.inputs = [as_torch_tree(torch, inputs) for inputs in sets]
         B, T, H = sets[0].x.shape[0], config.tokens, config.heads
@@ -79,7 +89,7 @@ class KernelEager:
 
     def __call__(self, i: int):
         stream = self.torch.cuda.current_stream().cuda_stream
-        self._verify(self.params, self.cache, self.inputs[i], self.outs[i], self.config,
+        self._verify(self.params[i], self.cache, self.inputs[i], self.outs[i], self.config,
                      stream=stream)
 
     def poisoned_run(self, i: int = 0):
@@ -167,14 +177,16 @@ class FlaStock:
         self.windows = [[win[s * B:(s + 1) * B, p].contiguous() for p in range(3)]
                         for s in range(nsets)]
         w = t(params.conv_weight).float()  # [3, 4, H, K]
-        self.conv_w = [w[p].reshape(4, H * K).t().contiguous() for p in range(3)]
         bias = params.conv_bias
-        self.conv_b = [None] * 3 if bias is None else [
-            t(bias).float()[p].reshape(H * K).contiguous() for p in range(3)]
-        self.f_b = t(params.f_b).reshape(H * K, K)  # [H*K, rank] bf16
-        self.a_log = t(params.a_log).float().contiguous()
-        self.dt_bias = t(params.dt_bias).float().contiguous()
-        self.norm_w = t(params.norm_weight).float().contiguous()
+        first = dict(
+            conv_w=[w[p].reshape(4, H * K).t().contiguous() for p in range(3)],
+            conv_b=[None] * 3 if bias is None else [
+                t(bias).float()[p].reshape(H * K).contiguous() for p in range(3)],
+            f_b=t(params.f_b).reshape(H * K, K),  # [H*K, rank] bf16
+            a_log=t(params.a_log).float().contiguous(),
+            dt_bias=t(params.dt_bias).float().contiguous(),
+            norm_w=t(params.norm_weight).float().contiguous())
+        self.weights = per_set(first, nsets)
         self.inputs = []
         for s in sets:
             self.inputs.append(dict(x=t(s.x), f_a=t(s.f_a).reshape(B * T, K),
@@ -183,11 +195,11 @@ class FlaStock:
 
     def conv(self, i: int):
         """q, k, v after the short convolution and SiLU: three [B, T, H*K] bf16."""
-        x, out = self.inputs[i]["x"], []
+        x, out, w = self.inputs[i]["x"], [], self.weights[i]
         H = self.config.heads
         for p in range(3):
             part = x[:, :, p].reshape(self.B, self.config.tokens, H * K)
-            y, _ = self._conv(part, self.conv_w[p], self.conv_b[p], None,
+            y, _ = self._conv(part, w["conv_w"][p], w["conv_b"][p], None,
                               initial_state=self.windows[i][p], output_final_state=True,
                               activation="silu")
             out.append(y)
@@ -196,7 +208,7 @@ class FlaStock:
     def gate(self, i: int):
         """The raw gate [B, T, H, K] bf16: f_a @ f_b^T, the model's up-projection."""
         B, T, H = self.B, self.config.tokens, self.config.heads
-        return (self.inputs[i]["f_a"] @ self.f_b.t()).reshape(B, T, H, K)
+        return (self.inputs[i]["f_a"] @ self.weights[i]["f_b"].t()).reshape(B, T, H, K)
 
     def recurrence(self, i: int, q, k, v, g):
         """fused_recurrent_kda_fwd in vLLM's spec-decode form on q, k, v [B, T, H*K]
@@ -204,7 +216,8 @@ class FlaStock:
         B, T, H = self.B, self.config.tokens, self.config.heads
         o, _ = self._recurrence(
             q=q.reshape(B, T, H, K), k=k.reshape(B, T, H, K), v=v.reshape(B, T, H, K),
-            g=g, beta=self.inputs[i]["beta"], A_log=self.a_log, dt_bias=self.dt_bias,
+            g=g, beta=self.inputs[i]["beta"], A_log=self.weights[i]["a_log"],
+            dt_bias=self.weights[i]["dt_bias"],
             scale=self.config.query_scale, initial_state=self.pool, inplace_final_state=True,
             ssm_state_indices=self.indices[i], num_accepted_tokens=self.accepted[i],
             use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True,
@@ -214,7 +227,8 @@ class FlaStock:
 
     def norm(self, i: int, o):
         B, T, H = self.B, self.config.tokens, self.config.heads
-        y = self._norm(o.reshape(B * T * H, K), self.inputs[i]["gate"], self.norm_w, None,
+        y = self._norm(o.reshape(B * T * H, K), self.inputs[i]["gate"],
+                       self.weights[i]["norm_w"], None,
                        activation="sigmoid", eps=float(self.config.eps), is_rms_norm=True)[0]
         return y.reshape(B, T, H, K)
 

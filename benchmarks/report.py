@@ -53,7 +53,10 @@ WHAT_WAS_TIMED = """\
   (the minimum the operation must move), so it compares directly with ours.
 - Operand sets rotate (distinct state slots, records and inputs per set; enough sets that
   one cycle touches >= 512 MiB, at most 64) so a repeated call does not find its state in
-  the 60 MB L2; the copy bandwidth is `dst.copy_(src)` of 1 GiB, bytes read + written.
+  the 60 MB L2. For ours (eager) and fla each set also has its own copy of the weights,
+  cold when its call runs, as each layer's are in a model; the XLA loops keep one set
+  (their loop would slice stacked weights per call). The copy bandwidth is
+  `dst.copy_(src)` of 1 GiB, bytes read + written.
 """
 
 

@@ -23,8 +23,9 @@ their autotuning) run on two threads during step 1, and are all done before anyt
 timed.
 
 Operand sets rotate (distinct state slots and inputs, and for ours eager and fla a copy of
-the weights per set) so that a repeated call does not find its state or weights in L2. Writes DIR/results.json (after every step), DIR/log.txt,
-DIR/RESULTS.md and DIR/bench.png; prints a short table last.
+the weights per set) so that a repeated call does not find its state or weights in L2.
+Writes DIR/results.json (after every step), DIR/log.txt, DIR/RESULTS.md and
+DIR/bench.png; prints a short table last.
 """
 from __future__ import annotations
 

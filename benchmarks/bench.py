@@ -14,7 +14,8 @@ a watchdog writes the results and exits 30 s past the budget):
    events per launch and CUDA-graph replay; jitted fused_verify in a lax.fori_loop),
    chunked_verify in XLA (fori_loop), the fla recurrence alone and the whole fla pipeline;
 4. a jitted step of 20 layers calling fused_verify per layer, XLA command buffers (CUDA
-   graphs) off and on, each in a subprocess: JAX's overhead per call;
+   graphs) off and on, each in a subprocess, against the same layers through the raw
+   kernel in that process: JAX's overhead per call;
 5. the fixed splits at T = 4; 6. T = 2 and 8 for our kernel and fla; 7. stock_verify at
    B = 1, 64; 8. the fixed splits at T = 2, 8; 9. T = 2, 8 under XLA.
 
@@ -272,9 +273,9 @@ class Bench:
 
         if self.eager_why is None:
             def eager(impl, split):
-                kernel = peers.KernelEager(self.torch, params, cache, sets,
-                                           KdaConfig(heads=H, tokens=T, split=split))
-                check(impl, kernel.poisoned_run(0), kernel.cache)
+                kernel = peers.KernelEager.rotating(self.torch, params, cache, sets,
+                                                    KdaConfig(heads=H, tokens=T, split=split))
+                check(impl, kernel.poisoned_run(0), kernel.caches[0])
             attempt("ours-eager", lambda: eager("ours-eager", None))
             for split in self.args.splits if T == 4 else ():  # every variant timed at T=4
                 impl = f"ours-eager[split={split}]"
@@ -339,7 +340,7 @@ class Bench:
         params, cache, sets = make_problem(config, B, nsets, seed=B * 10 + T)
         n_total, writes = accepted_tokens(cache, sets[0])
         nbytes = measure.verify_bytes(H, T, B, n_total, writes)["total"]
-        kernel = peers.KernelEager(self.torch, params, cache, sets, config)
+        kernel = peers.KernelEager.rotating(self.torch, params, cache, sets, config)
         events, graph, note = self.torch_timings(kernel, nsets, B)
         serial = None
         if graph and not split and T == 4 and B in self.args.layer_batches:
@@ -524,14 +525,21 @@ class Bench:
             for row in rows:
                 row["cmdbuf"] = setting
                 row["xla_flags"] = flag or "(XLA default)"
-                raw = self.raw_kernel_us(row.get("B"), row.get("T"))
-                if raw and "step_us" in row:
+                if "step_us" not in row:
+                    continue
+                # the raw kernel on the step's own layers in its process, else the sweep's
+                if "chain_us" in row:
+                    raw = row["chain_us"], "ours-eager graph, the step's layers"
+                    serial = row["chain_serial_us"], "the step's layers"
+                else:
+                    raw = self.raw_kernel_us(row["B"], row["T"])
+                    serial = self.raw_kernel_us(row["B"], row["T"], "child graphs")
+                if raw:
                     row["raw_us"], row["raw_from"] = raw
                     if row["raw_from"].startswith("ours-eager"):  # the raw kernel, no XLA
                         row["overhead_us"] = (row["step_us"] - row["layers"] * raw[0]
                                               ) / row["layers"]
-                serial = self.raw_kernel_us(row.get("B"), row.get("T"), "child graphs")
-                if serial and "step_us" in row:
+                if serial:
                     row["serial_us"] = serial[0]
                     row["overhead_serial_us"] = (row["step_us"] - row["layers"] * serial[0]
                                                  ) / row["layers"]
@@ -654,10 +662,34 @@ class Bench:
         self.log(report.summary(self.results))
 
 
+def layer_chain_us(config, params, caches, inputs, kernel_us):
+    """The step's own layers (lists of params, caches and inputs) through the eager
+    kernel, in this process right after the step was timed, on the same buffers, so
+    that its raw time shares the step's operands, memory and GPU state: us per layer in one CUDA graph of
+    launches (PDL overlaps them: `chain_us`) and with each launch a child graph of its
+    own (as XLA holds a custom call: `chain_serial_us`). {} where torch or the eager
+    kernel cannot run here."""
+    torch = peers.torch_or_none()
+    if peers.kernel_eager_unavailable(torch) is not None:
+        return {}
+    chain = peers.KernelEager.layers(torch, params, caches, inputs, config)
+    L = len(params)
+    calls = L * int(min(50, max(1, 2e3 / (L * kernel_us))))  # whole steps, about 2 ms
+    try:
+        return {"chain_us": 1e6 * measure.torch_graph_time(torch, chain, L, calls, 10),
+                "chain_serial_us": 1e6 * measure.torch_child_graph_time(torch, chain, L,
+                                                                        calls, 10)}
+    finally:
+        del chain
+        torch.cuda.empty_cache()
+
+
 def layers20_child(args):
     """The 20-layer step in this process (XLA_FLAGS set by the parent): per batch, the
     jitted step called from Python (mode host) and a jitted fori_loop of steps (mode
-    device); writes a JSON list to args.layers20_child."""
+    device), the same steps traced on the device (mode trace), each row with the raw
+    times of the step's layers (`layer_chain_us`); writes a JSON list to
+    args.layers20_child."""
     T, H, L = 4, args.heads, args.layers
     config = KdaConfig(heads=H, tokens=T)
     verify = functools.partial(fused_verify, config=config, backend=args.backend)
@@ -723,12 +755,18 @@ def layers20_child(args):
         rows.append(dict(common, mode="device", step_us=device_s * 1e6, steps=n))
 
         # the same host-called steps seen from the device: no dispatch, no loop in it
-        traced = measure.traced_steps(lambda: host(8), L)
+        traced = measure.traced_steps(lambda: host(16), L)
         print(f"B={B} trace: {traced}", flush=True)
         if traced.get("step_us") is not None:
             rows.append(dict(common, mode="trace", step_us=traced["step_us"],
                              steps=traced["steps"], kernel_us=traced["kernel_us"],
                              gap_us=traced["gap_us"]))
+        raw = layer_chain_us(config, params, state["caches"], inputs,
+                             traced.get("kernel_us") or 1.0)
+        print(f"B={B} the step's layers through the eager kernel: {raw}", flush=True)
+        for row in rows:
+            if row["B"] == B:
+                row.update(raw)
     pathlib.Path(args.layers20_child).write_text(json.dumps(rows))
     return 0
 

@@ -39,14 +39,18 @@ def cuda_ready(torch) -> bool:
     return torch is not None and torch.cuda.is_available()
 
 
-def to_torch(torch, array):
-    """A torch copy of a JAX array (DLPack, then clone: the kernels write in place)."""
-    return None if array is None else torch.from_dlpack(array).clone()
+def to_torch(torch, array, copy=True):
+    """A torch view of a JAX array (DLPack), by default cloned: the kernels write in
+    place, and a JAX array must not change under its holders."""
+    if array is None:
+        return None
+    view = torch.from_dlpack(array)
+    return view.clone() if copy else view
 
 
-def as_torch_tree(torch, tree):
-    """The same pytree class with every array field as a torch copy."""
-    fields = {name: to_torch(torch, value) for name, value in vars(tree).items()}
+def as_torch_tree(torch, tree, copy=True):
+    """The same pytree class with every array field as a torch copy (or view)."""
+    fields = {name: to_torch(torch, value, copy) for name, value in vars(tree).items()}
     return type(tree)(**fields)
 
 
@@ -71,26 +75,38 @@ def kernel_eager_unavailable(torch):
 
 
 class KernelEager:
-    """Our kernel on torch tensors. `params`, `cache` and `sets` (a list of
-    VerifyInputs, one per rotation set, each with its own slots and record rows) are
-    JAX pytrees; the cache is one buffer set holding every set's slots, the weights a
-    copy per set."""
+    """Our kernel on torch tensors over operand sets, set i being (params[i], caches[i],
+    inputs[i]): build it with `rotating` (one cache holding every set's slots, the
+    weights a copy per set) or `layers` (a model's layers, each its own of everything)."""
 
-    def __init__(self, torch, params, cache, sets, config):
+    def __init__(self, torch, params, caches, inputs, config):
         from jax_kda.ffi import eager_verify
 
         self.torch, self.config, self._verify = torch, config, eager_verify
-        self.params = per_set(as_torch_tree(torch, params), len(sets))
-        self.cache = as_torch_tree(torch, cache)
-        self.inputs = [as_torch_tree(torch, inputs) for inputs in sets]
-        B, T, H = sets[0].x.shape[0], config.tokens, config.heads
+        self.params, self.caches, self.inputs = params, caches, inputs
+        B, T, H = inputs[0].x.shape[0], config.tokens, config.heads
         self.outs = [torch.empty((B, T, H, K), dtype=torch.bfloat16,
-                                 device=self.cache.state.device) for _ in sets]
+                                 device=caches[0].state.device) for _ in inputs]
+
+    @classmethod
+    def rotating(cls, torch, params, cache, sets, config):
+        """`sets` (VerifyInputs, each with its own slots and record rows) on one cache."""
+        cache = as_torch_tree(torch, cache)
+        return cls(torch, per_set(as_torch_tree(torch, params), len(sets)),
+                   [cache] * len(sets), [as_torch_tree(torch, s) for s in sets], config)
+
+    @classmethod
+    def layers(cls, torch, params, caches, inputs, config):
+        """Lists of JAX pytrees, one entry per layer, run on the JAX buffers themselves
+        (no copies: the caches are updated in place, so pass only arrays that nothing
+        reads afterwards, as a donated cache)."""
+        tree = lambda trees: [as_torch_tree(torch, t, copy=False) for t in trees]
+        return cls(torch, tree(params), tree(caches), tree(inputs), config)
 
     def __call__(self, i: int):
         stream = self.torch.cuda.current_stream().cuda_stream
-        self._verify(self.params[i], self.cache, self.inputs[i], self.outs[i], self.config,
-                     stream=stream)
+        self._verify(self.params[i], self.caches[i], self.inputs[i], self.outs[i],
+                     self.config, stream=stream)
 
     def poisoned_run(self, i: int = 0):
         """Output of set i with the output buffer poisoned (NaN) first."""
@@ -123,7 +139,7 @@ def fla_unavailable(torch):
 class FlaStock:
     """The fla / vLLM stock verify on the same operands.
 
-    Built from a JAX cache and input sets like `KernelEager`; each request b of set s
+    Built from a JAX cache and input sets like `KernelEager.rotating`; each request b of set s
     owns T state slots of a pool [1 + sets * B * T, H, V, K] (value-first, our layout),
     the one at accepted[b] - 1 holding its checkpoint, and one conv window per part.
     `checkpoint` ([sets * B, H, K, K], optional) replaces the state read from the cache

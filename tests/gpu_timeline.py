@@ -49,8 +49,8 @@ def operands(arrays):
 
 class Point:
     """The operands of one (B, T, split) point on the GPU, as the benchmark builds them:
-    enough cache sets (cloned) that the state comes from HBM, every request with a
-    record row and a slot of its own."""
+    enough cache sets (cloned, each with its own copy of the weights) that the state and
+    weights come from HBM, every request with a record row and a slot of its own."""
 
     def __init__(self, B, T, split):
         import cuda.bindings.driver as cuda
@@ -69,8 +69,10 @@ class Point:
         self.out = torch.empty((B, T, H, 128), dtype=torch.bfloat16, device="cuda")
         self.stream = torch.cuda.Stream()
         self.handle = cuda.CUstream(self.stream.cuda_stream)
-        self.named = [dict(vars(inputs), **vars(params), **vars(c), out=self.out)
-                      for c in self.caches]
+        weights = [params] + [jax.tree.map(torch.clone, params)
+                              for _ in range(self.nsets - 1)]
+        self.named = [dict(vars(inputs), **vars(w), **vars(c), out=self.out)
+                      for w, c in zip(weights, self.caches)]
         self.sets = [operands([n[name] for name in FIELDS]) for n in self.named]
 
     def graph_time(self, compiled, extra=(), sets=None, serial=False, before=None):

@@ -525,23 +525,22 @@ class Bench:
             for row in rows:
                 row["cmdbuf"] = setting
                 row["xla_flags"] = flag or "(XLA default)"
-                if "step_us" not in row:
-                    continue
                 # the raw kernel on the step's own layers in its process, else the sweep's
                 if "chain_us" in row:
                     raw = row["chain_us"], "ours-eager graph, the step's layers"
-                    serial = row["chain_serial_us"], "the step's layers"
+                    serial = row["chain_serial_us"]
                 else:
-                    raw = self.raw_kernel_us(row["B"], row["T"])
-                    serial = self.raw_kernel_us(row["B"], row["T"], "child graphs")
-                if raw:
+                    raw = self.raw_kernel_us(row.get("B"), row.get("T"))
+                    serial = self.raw_kernel_us(row.get("B"), row.get("T"), "child graphs")
+                    serial = serial and serial[0]
+                if raw and "step_us" in row:
                     row["raw_us"], row["raw_from"] = raw
                     if row["raw_from"].startswith("ours-eager"):  # the raw kernel, no XLA
                         row["overhead_us"] = (row["step_us"] - row["layers"] * raw[0]
                                               ) / row["layers"]
-                if serial:
-                    row["serial_us"] = serial[0]
-                    row["overhead_serial_us"] = (row["step_us"] - row["layers"] * serial[0]
+                if serial and "step_us" in row:
+                    row["serial_us"] = serial
+                    row["overhead_serial_us"] = (row["step_us"] - row["layers"] * serial
                                                  ) / row["layers"]
                 self.results["layers20"].append(row)
                 self.log(f"  {self.args.layers} layers, cmdbuf {setting}: " + ", ".join(
@@ -665,10 +664,10 @@ class Bench:
 def layer_chain_us(config, params, caches, inputs, kernel_us):
     """The step's own layers (lists of params, caches and inputs) through the eager
     kernel, in this process right after the step was timed, on the same buffers, so
-    that its raw time shares the step's operands, memory and GPU state: us per layer in one CUDA graph of
-    launches (PDL overlaps them: `chain_us`) and with each launch a child graph of its
-    own (as XLA holds a custom call: `chain_serial_us`). {} where torch or the eager
-    kernel cannot run here."""
+    that its raw time shares the step's operands, memory and GPU state: us per layer in
+    one CUDA graph of launches (PDL overlaps them: `chain_us`) and with each launch a
+    child graph of its own (as XLA holds a custom call: `chain_serial_us`). {} where
+    torch or the eager kernel cannot run here."""
     torch = peers.torch_or_none()
     if peers.kernel_eager_unavailable(torch) is not None:
         return {}

@@ -4,7 +4,10 @@ inputs to outputs, so that a jitted step with the cache donated updates them in 
 
 cutlass_call compiles during lowering (also under `jax.export` for platforms=["cuda"]
 on a machine with no GPU) and caches the binary per kernel, operand shapes and specs:
-one compile per configuration and (B, S, R); JAX's own jit cache sits above it.
+one compile per configuration and (B, S, R); JAX's own jit cache sits above it. The
+kernel object (one per static configuration, `verify_kernel`) is its compile key, so a
+lookup does not trace the kernel again: lowering a 20-layer step takes 3.6 s instead of
+5.3-6.1, and 0.09 s instead of 1.7 once its kernel is compiled (CPU, H = 32, T = 4).
 """
 from __future__ import annotations
 
@@ -101,7 +104,7 @@ def cutedsl_verify(params: KdaParams, cache: KdaCache, inputs: VerifyInputs,
     has_bias = params.conv_bias is not None
     # one compiled kernel per split, chosen or given
     config = dataclasses.replace(config, split=kernel_split(config, B, has_bias))
-    # cached per static configuration: cutlass_call keys its compile cache on this object
+    # one object per static configuration: cutlass_call's compile key
     kernel = verify_kernel(config, config.split, has_bias,
                            solo=solo_ctas(config, B, config.split))
     operands = (inputs.x, inputs.f_a, inputs.beta, inputs.gate, inputs.slots,
@@ -113,6 +116,7 @@ def cutedsl_verify(params: KdaParams, cache: KdaCache, inputs: VerifyInputs,
     results = cjax.cutlass_call(
         kernel, output_shape_dtype=shapes,
         input_output_aliases={FIRST_WRITE + i: 1 + i for i in range(len(CACHE_WRITES))},
+        compile_key=kernel,
     )(*operands)
     out, state, conv, corrections, key_gates = results
     return out, KdaCache(state, conv, corrections, key_gates, cache.pending)

@@ -1,6 +1,7 @@
 """The CuTe DSL kernel without a GPU (marker `kernels`): the custom call lowered for
 CUDA with jax.export (CuTe DSL compiles the kernel for sm_90a during lowering) aliases
-the cache buffers in place; configurations compile without spills; the split heuristic;
+the cache buffers in place and gets a binary of its own per configuration and shape;
+configurations compile without spills; the split heuristic;
 the eager entry point's argument errors.
 """
 import dataclasses
@@ -59,6 +60,32 @@ def test_export_aliases_the_cache_in_place(conv_bias):
         argument = re.search(rf"%arg\d+: [^%]*?loc\(\"cache\.{name}\"\)", main).group(0)
         assert "tf.aliasing_output" in argument, f"cache.{name} is not aliased"
 
+
+
+def test_each_configuration_lowers_to_its_own_binary():
+    """cutlass_call's compile key is the kernel object of one static configuration: two
+    configurations that differ only in a compiled-in scalar (eps) or in the split get
+    binaries of their own in one program, and the same configuration at another batch a
+    binary of its own too (the compile is per operand shapes)."""
+    base = KdaConfig(heads=2, tokens=4, split=2)
+    configs = [base, dataclasses.replace(base, eps=1e-3), dataclasses.replace(base, split=1)]
+    params, cache, inputs = example(base)
+    _, _, small = example(base, batch=2)
+
+    def program(params, cache, inputs, small):
+        outs = []
+        for config in configs:
+            out, cache = fused_verify(params, cache, inputs, config, backend="cutedsl")
+            outs.append(out)
+        out, cache = fused_verify(params, cache, small, base, backend="cutedsl")
+        return outs + [out], cache
+
+    exported = export.export(jax.jit(program), platforms=["cuda"], disabled_checks=[
+        export.DisabledSafetyCheck.custom_call(TARGET)])(
+            shapes(params), shapes(cache), shapes(inputs), shapes(small))
+    modules = re.findall(rf'custom_call @{TARGET}\(.*?module = "(.*?)"',
+                         exported.mlir_module())
+    assert len(modules) == 4 and len(set(modules)) == 4
 
 def test_compiles_without_spills():
     """Two corners of the configuration space compile for sm_90a with no local memory

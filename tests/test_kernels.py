@@ -61,7 +61,6 @@ def test_export_aliases_the_cache_in_place(conv_bias):
         assert "tf.aliasing_output" in argument, f"cache.{name} is not aliased"
 
 
-
 def test_each_configuration_lowers_to_its_own_binary():
     """cutlass_call's compile key is the kernel object of one static configuration: two
     configurations that differ only in a compiled-in scalar (eps) or in the split get
@@ -86,6 +85,7 @@ def test_each_configuration_lowers_to_its_own_binary():
     modules = re.findall(rf'custom_call @{TARGET}\(.*?module = "(.*?)"',
                          exported.mlir_module())
     assert len(modules) == 4 and len(set(modules)) == 4
+
 
 def test_compiles_without_spills():
     """Two corners of the configuration space compile for sm_90a with no local memory

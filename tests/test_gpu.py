@@ -289,58 +289,79 @@ def test_eager_dlpack_and_cuda_graph_match_the_custom_call():
         np.testing.assert_array_equal(a, b.view(np.uint8) if b.dtype == jnp.bfloat16 else b)
 
 
-def test_fast_division_and_root_give_the_ieee_bits():
-    """primitives.quotients and roots (a branch-free fast path for a batch, the IEEE
-    operations for the whole batch if any operand or result leaves [2^-100, 2^100]) give
-    the bits of div.rn and sqrt.rn: random operands, most inside the fast range, 3% of
-    them any bit pattern (zero, denormal, huge, inf, NaN) to send batches to the IEEE
-    path."""
+def test_batched_ieee_math_gives_the_ieee_bits():
+    """primitives.sigmoids, silus_bf16 and divided_by_roots (a branch-free fast path for a
+    batch, the IEEE operations for the whole batch unless the caller's bounds hold) give
+    the bits of div.rn and sqrt.rn: random operands over wide ranges (past the bounds'
+    edges: sigmoid and SiLU inputs around -64 and -88, numerators past 2^-50 and 2^40,
+    radicands past 2^-20 and 2^100), 3% of them any bit pattern (zero, denormal, huge,
+    inf, NaN); divided_by_roots both with a floor that implies the radicands' bound (and
+    radicands that keep it) and with one that does not."""
     torch = pytest.importorskip("torch")
     import cutlass
     import cutlass.cute as cute
+    from cutlass import Float32
     from cutlass.cute.runtime import from_dlpack
 
-    from jax_kda.kernels.primitives import quotients, roots
+    from jax_kda.kernels.primitives import (divided_by_roots, exp, round_bf16, sigmoids,
+                                            silus_bf16)
 
     batch, threads, blocks = 4, 128, 2048
     size = batch * threads * blocks
 
     @cute.kernel
-    def probe(x: cute.Tensor, y: cute.Tensor, q: cute.Tensor, q_ieee: cute.Tensor,
-              r: cute.Tensor, r_ieee: cute.Tensor):
+    def probe(x: cute.Tensor, v: cute.Tensor, r: cute.Tensor, rf: cute.Tensor,
+              fast: cute.Tensor, ieee: cute.Tensor):
         tid, _, _ = cute.arch.thread_idx()
         block, _, _ = cute.arch.block_idx()
         first = (block * threads + tid) * batch
-        nums = [x[first + i] for i in range(batch)]
-        dens = [y[first + i] for i in range(batch)]
-        fast, fast_roots = quotients(nums, dens), roots(dens)
-        for i in cutlass.range_constexpr(batch):
-            q[first + i], q_ieee[first + i] = fast[i], nums[i] / dens[i]
-            r[first + i], r_ieee[first + i] = fast_roots[i], cute.math.sqrt(dens[i])
+        xs = [x[first + i] for i in range(batch)]
+        vs = [v[first + i] for i in range(batch)]
+        rs = [r[first + i] for i in range(batch)]
+        rfs = [rf[first + i] for i in range(batch)]
+        results = [sigmoids(xs), silus_bf16(xs), divided_by_roots(vs, rs, 0.0),
+                   divided_by_roots(vs, rfs, 1e-6)]
+        references = [[Float32(1.0) / (Float32(1.0) + exp(-a)) for a in xs],
+                      [round_bf16(a / (Float32(1.0) + exp(-a))) for a in xs],
+                      [a / cute.math.sqrt(b) for a, b in zip(vs, rs)],
+                      [a / cute.math.sqrt(b) for a, b in zip(vs, rfs)]]
+        for k in cutlass.range_constexpr(4):
+            for i in cutlass.range_constexpr(batch):
+                fast[k * size + first + i] = results[k][i]
+                ieee[k * size + first + i] = references[k][i]
 
     @cute.jit
-    def launch(x: cute.Tensor, y: cute.Tensor, q: cute.Tensor, q_ieee: cute.Tensor,
-               r: cute.Tensor, r_ieee: cute.Tensor):
-        probe(x, y, q, q_ieee, r, r_ieee).launch(grid=(blocks, 1, 1), block=(threads, 1, 1))
+    def launch(x: cute.Tensor, v: cute.Tensor, r: cute.Tensor, rf: cute.Tensor,
+               fast: cute.Tensor, ieee: cute.Tensor):
+        probe(x, v, r, rf, fast, ieee).launch(grid=(blocks, 1, 1), block=(threads, 1, 1))
 
     rng = np.random.default_rng(7)
 
-    def operands(positive):
-        values = rng.uniform(1, 2, size) * 2.0 ** rng.uniform(-95, 95, size)
-        if not positive:
+    def operands(low, high, signed, linear=None):
+        values = rng.uniform(1, 2, size) * 2.0 ** rng.uniform(low, high, size)
+        if signed:
             values *= rng.choice([-1.0, 1.0], size)
+        if linear is not None:  # half of them uniform over [-linear, linear]
+            half = rng.random(size) < 0.5
+            values[half] = rng.uniform(-linear, linear, half.sum())
         values = values.astype(np.float32)
         wild = rng.random(size) < 0.03
         values[wild] = rng.integers(0, 2**32, wild.sum(), dtype=np.uint32).view(np.float32)
-        return torch.from_numpy(values).cuda()
+        return values
 
-    x, y = operands(False), operands(True)
-    outputs = [torch.full((size,), float("nan"), device="cuda") for _ in range(4)]
-    tensors = [from_dlpack(t, assumed_align=16) for t in (x, y, *outputs)]
+    x = operands(-110, 110, True, linear=100.0)
+    v = operands(-60, 50, True)
+    r = operands(-30, 110, False)
+    rf = np.abs(operands(-30, 110, False)) + np.float32(1e-6)  # NaN stays NaN
+    inputs = [torch.from_numpy(a).cuda() for a in (x, v, r, rf)]
+    outputs = [torch.full((4 * size,), float("nan"), device="cuda") for _ in range(2)]
+    tensors = [from_dlpack(t, assumed_align=16) for t in (*inputs, *outputs)]
     cute.compile(launch, *tensors)(*tensors)
     torch.cuda.synchronize()
-    q, q_ieee, r, r_ieee = (t.cpu().numpy() for t in outputs)
-    for fast, ieee in ((q, q_ieee), (r, r_ieee)):
-        nan = np.isnan(ieee)
-        np.testing.assert_array_equal(np.isnan(fast), nan)
-        np.testing.assert_array_equal(fast[~nan].view(np.uint32), ieee[~nan].view(np.uint32))
+    fast, ieee = (t.cpu().numpy().reshape(4, size) for t in outputs)
+    for name, f, e in zip(("sigmoids", "silus_bf16", "roots, floor 0", "roots, floor 1e-6"),
+                          fast, ieee):
+        nan = np.isnan(e)
+        np.testing.assert_array_equal(np.isnan(f), nan, err_msg=name)
+        np.testing.assert_array_equal(f[~nan].view(np.uint32), e[~nan].view(np.uint32),
+                                      err_msg=name)

@@ -15,7 +15,8 @@ is waited on (latency, not bandwidth, bounds a CTA's life), by cp.async into sha
 memory, while the gate projection runs; the CTA's state rows (contiguous) by one bulk
 copy on an mbarrier, with them in a crowded grid, else once they have landed
 (`CROWDED_CTAS_PER_SM`). The IEEE divisions and roots of a thread go in branch-free
-batches (primitives.quotients) so that ptxas can overlap them. The gated RMSNorm's sums
+batches (primitives.quotients, divided_by_roots) so that ptxas can overlap them, each
+batch's range test on the fewest values that bound it. The gated RMSNorm's sums
 of squares cross the cluster through distributed shared memory. CTA `rank` writes the
 per-item records (keys, raw gates) and the convolution window of channels
 [rank K / split, (rank + 1) K / split), right after the prologue, once a cluster barrier
@@ -45,10 +46,10 @@ from cutlass import BFloat16, Float32, Int32, Int64
 
 from jax_kda.config import K
 from jax_kda.layer import NORM_EPS
-from jax_kda.kernels.primitives import (RN, aligned, bulk_copy, cp_async_16,
-                                        decays, exp, load_i32_pair, load_if, load_vec,
-                                        load_words, mma_bf16, prefetch_line_l2, push_f32,
-                                        quotients, roots, round_bf16, sigmoids, silus_bf16,
+from jax_kda.kernels.primitives import (RN, aligned, bulk_copy, cp_async_16, decays,
+                                        divided_by_roots, exp, load_i32_pair, load_if,
+                                        load_vec, load_words, mma_bf16, prefetch_line_l2,
+                                        push_f32, round_bf16, sigmoids, silus_bf16,
                                         store_f32x4_if, transpose_sum, tree_sum,
                                         warp_totals, wide)
 
@@ -670,9 +671,10 @@ class FusedVerify:
         channel, lane, warp = tid % K, tid % 32, tid // 32
         qs = cute.make_rmem_tensor(T, Float32)
         ks = cute.make_rmem_tensor(T, Float32)
-        norms = roots([tree_sum([norm_sums[t, s, w] for w in range(4)]) + NORM_EPS
-                       for s in range(2) for t in range(T)])
-        normalized = quotients([activations[s, t] for s in range(2) for t in range(T)], norms)
+        normalized = divided_by_roots(
+            [activations[s, t] for s in range(2) for t in range(T)],
+            [tree_sum([norm_sums[t, s, w] for w in range(4)]) + NORM_EPS
+             for s in range(2) for t in range(T)], NORM_EPS)
         gamma = Float32(1.0)
         for t in cutlass.range_constexpr(T):
             qs[t] = normalized[t] * self.scale
@@ -702,10 +704,10 @@ class FusedVerify:
         RQ: cutlass.Constexpr = self.record_tokens
         channel = tid % K
         # t >= n: a stand-in key of 1 (its bytes may be stale), never stored
-        norms = roots([tree_sum([old_sums[t, w] for w in range(4)]) + NORM_EPS
-                       for t in range(RQ)])
-        keys = quotients([cutlass.select_(t < n, kp[t, channel], Float32(1.0))
-                          for t in range(RQ)], norms)
+        keys = divided_by_roots(
+            [cutlass.select_(t < n, kp[t, channel], Float32(1.0)) for t in range(RQ)],
+            [tree_sum([old_sums[t, w] for w in range(4)]) + NORM_EPS for t in range(RQ)],
+            NORM_EPS)
         suffix = Float32(1.0)
         for r in cutlass.range_constexpr(RQ):
             t: cutlass.Constexpr = RQ - 1 - r
@@ -846,7 +848,7 @@ class FusedVerify:
                 else:
                     sumsq = tree_sum([out_sums[t, w] for w in range(NW)])
                 means.append(sumsq / K + self.eps)
-            rstd = quotients([Float32(1.0)] * T, roots(means))
+            rstd = divided_by_roots([Float32(1.0)] * T, means, self.eps)
             for t in cutlass.range_constexpr(T):
                 where = wide((request * T + t) * H + head) * K + row
                 out[where] = BFloat16(outs[t] * rstd[t] * nw * gated[t])

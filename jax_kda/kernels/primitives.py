@@ -10,8 +10,12 @@ flip as rarely as possible against the JAX references.
 """
 from __future__ import annotations
 
+import functools
+import operator
+
 import cutlass
 import cutlass.cute as cute
+import numpy
 from cutlass import BFloat16, Boolean, Float32, Int32, Int64, Uint32
 
 RN = cute.math.RoundingMode.NEAREST_EVEN
@@ -158,16 +162,19 @@ def exp(x):
 # IEEE division and square root compile to a fast path and a range check that calls a
 # slow subroutine; ptxas does not schedule across those calls, so a thread's divisions
 # ran one after another. The batches below take the fast path for every element with no
-# branch, and redo the whole batch with the IEEE operations (one branch) only if an
-# operand or result lies outside [2^-100, 2^100], where the fast path is bitwise the
-# IEEE result (its checks pass: nothing in the sequence can underflow or overflow).
+# branch, and redo the whole batch with the IEEE operations (one branch) unless every
+# operand and result lies in [2^-100, 2^100] in magnitude, where the fast path is bitwise
+# the IEEE result (its checks pass: nothing in the sequence can underflow or overflow).
+# Each caller tests the fewest values that bound all of them, ahead of the arithmetic where
+# it can, and a root and its quotient share one test: testing every operand and result
+# made B = 1 7% and T = 8 5-8% slower (benchmarks/NOTES.md, change 26).
 FAST_LOW, FAST_HIGH = 2.0**-100, 2.0**100
+ROOT_FLOOR = 2.0**-20  # divided_by_roots' radicand bound: roots in [2^-10, 2^50]
 
 
-def outside_fast_range(x):
-    """|x| outside [2^-100, 2^100], zero or NaN included (ordered compares fail on NaN)."""
-    magnitude = cute.math.abs(x)
-    return ~((magnitude >= FAST_LOW) & (magnitude <= FAST_HIGH))
+def all_of(flags):
+    """The conjunction of a list of Booleans."""
+    return functools.reduce(operator.and_, flags)
 
 
 def fast_quotient(x, y):
@@ -190,15 +197,14 @@ def fast_root(x):
 
 
 @cute.jit
-def quotients(nums, dens):
-    """[n / d] with IEEE rounding, for lists of Float32 (see the note above)."""
+def quotients(nums, dens, in_band):
+    """[n / d] with IEEE rounding, for lists of Float32 (see the note above). in_band: a
+    Boolean that holds only where every n, d and n / d lies in the fast path's band."""
     count: cutlass.Constexpr = len(nums)
     out = cute.make_rmem_tensor(count, Float32)
-    slow = Boolean(False)
     for i in cutlass.range_constexpr(count):
         out[i] = fast_quotient(nums[i], dens[i])
-        slow = (slow | outside_fast_range(nums[i]) | outside_fast_range(dens[i])
-                | outside_fast_range(out[i]))
+    slow = ~in_band
     if slow:
         for i in cutlass.range_constexpr(count):
             out[i] = nums[i] / dens[i]
@@ -206,31 +212,46 @@ def quotients(nums, dens):
 
 
 @cute.jit
-def roots(values):
-    """[sqrt(x)] with IEEE rounding, for a list of positive Float32 (fast path where x
-    lies in [2^-100, 2^100], as quotients)."""
+def divided_by_roots(values, radicands, floor: cutlass.Constexpr):
+    """[v / sqrt(r)] with IEEE roots and quotients, for radicands r that are at least
+    `floor` (a sum of squares plus an epsilon) or NaN. Where ROOT_FLOOR <= r <= 2^100 and
+    2^-50 <= |v| <= 2^40, sqrt(r) lies in [2^-10, 2^50] and |v / sqrt(r)| in
+    [2^-100, 2^50]: one test and one fallback for both operations (r >= ROOT_FLOOR is
+    tested only where `floor`, in FP32, does not imply it)."""
     count: cutlass.Constexpr = len(values)
     out = cute.make_rmem_tensor(count, Float32)
-    slow = Boolean(False)
+    in_band = Boolean(True)
     for i in cutlass.range_constexpr(count):
-        out[i] = fast_root(values[i])
-        slow = slow | outside_fast_range(values[i])
+        out[i] = fast_quotient(values[i], fast_root(radicands[i]))
+        magnitude = cute.math.abs(values[i])
+        in_band = (in_band & (radicands[i] <= FAST_HIGH) & (magnitude >= 2.0**-50)
+                   & (magnitude <= 2.0**40))
+        if cutlass.const_expr(float(numpy.float32(floor)) < ROOT_FLOOR):
+            in_band = in_band & (radicands[i] >= ROOT_FLOOR)
+    slow = ~in_band
     if slow:
         for i in cutlass.range_constexpr(count):
-            out[i] = cute.math.sqrt(values[i])
+            out[i] = values[i] / cute.math.sqrt(radicands[i])
     return [out[i] for i in range(count)]
 
 
 def sigmoids(values):
-    """[1 / (1 + exp(-x))], IEEE division."""
-    return quotients([Float32(1.0)] * len(values),
-                     [Float32(1.0) + exp(-x) for x in values])
+    """[1 / (1 + exp(-x))], IEEE division. The denominator is at least 1 (or NaN), so where
+    it is at most 2^100 the quotient lies in [2^-100, 1]."""
+    dens = [Float32(1.0) + exp(-x) for x in values]
+    return quotients([Float32(1.0)] * len(values), dens,
+                     all_of([d <= FAST_HIGH for d in dens]))
 
 
 def silus_bf16(values):
-    """The convolution's SiLU [y / (1 + exp(-y))], each rounded to bf16."""
+    """The convolution's SiLU [y / (1 + exp(-y))], each rounded to bf16. For y in
+    [-64, 2^100] with |y| >= 2^-98 the denominator lies in [1, 2^93] and the quotient's
+    magnitude in [2^-99, 2^100] (|y| / (1 + e^|y|) is least at the ends of the negative
+    range): tested on y, ahead of the exponentials."""
+    in_band = all_of([(y >= -64.0) & (y <= FAST_HIGH) & (cute.math.abs(y) >= 2.0**-98)
+                      for y in values])
     return [round_bf16(q) for q in
-            quotients(values, [Float32(1.0) + exp(-y) for y in values])]
+            quotients(values, [Float32(1.0) + exp(-y) for y in values], in_band)]
 
 
 def decays(raw_gates, a_exp, dts, lower_bound):

@@ -167,7 +167,7 @@ def exp(x):
 # the IEEE result (its checks pass: nothing in the sequence can underflow or overflow).
 # Each caller tests the fewest values that bound all of them, ahead of the arithmetic where
 # it can, and a root and its quotient share one test: testing every operand and result
-# made B = 1 7% and T = 8 5-8% slower (benchmarks/NOTES.md, change 26).
+# made B = 1 8% and T = 8 5-9% slower (benchmarks/NOTES.md, change 26).
 FAST_LOW, FAST_HIGH = 2.0**-100, 2.0**100
 ROOT_FLOOR = 2.0**-20  # divided_by_roots' radicand bound: roots in [2^-10, 2^50]
 

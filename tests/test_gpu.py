@@ -291,27 +291,32 @@ def test_eager_dlpack_and_cuda_graph_match_the_custom_call():
 
 def test_batched_ieee_math_gives_the_ieee_bits():
     """primitives.sigmoids, silus_bf16 and divided_by_roots (a branch-free fast path for a
-    batch, the IEEE operations for the whole batch unless the caller's bounds hold) give
-    the bits of div.rn and sqrt.rn: random operands over wide ranges (past the bounds'
-    edges: sigmoid and SiLU inputs around -64 and -88, numerators past 2^-50 and 2^40,
-    radicands past 2^-20 and 2^100), 3% of them any bit pattern (zero, denormal, huge,
-    inf, NaN); divided_by_roots both with a floor that implies the radicands' bound (and
-    radicands that keep it) and with one that does not."""
+    batch, the IEEE operations for the whole batch unless the caller's bounds hold) and
+    decays (no fallback) give the bits of div.rn and sqrt.rn: random operands over wide
+    ranges (past the bounds' edges: sigmoid and SiLU inputs around -64, -69 and -88,
+    numerators past 2^-50 and 2^40, radicands past 2^-20 and 2^100), 3% of them any bit
+    pattern (zero, denormal, huge, inf, NaN); divided_by_roots both with a floor that
+    implies the radicands' bound (and radicands that keep it) and with one that does not;
+    decays at the config's lower bound and at -2^60, the largest without a fallback; and
+    exp of every magnitude below 2^-40 (denormals too) is 1.0, which decays rely on."""
     torch = pytest.importorskip("torch")
     import cutlass
     import cutlass.cute as cute
     from cutlass import Float32
     from cutlass.cute.runtime import from_dlpack
 
-    from jax_kda.kernels.primitives import (divided_by_roots, exp, round_bf16, sigmoids,
-                                            silus_bf16)
+    from jax_kda.kernels.primitives import (decays, divided_by_roots, exp, round_bf16,
+                                            sigmoids, silus_bf16)
 
     batch, threads, blocks = 4, 128, 2048
     size = batch * threads * blocks
+    bounds = (KdaConfig(heads=1, tokens=2).lower_bound, -(2.0**60))
+    names = ("sigmoids", "silus_bf16", "roots, floor 0", "roots, floor 1e-6",
+             *(f"decays, lower bound {b}" for b in bounds), "exp of tiny values")
 
     @cute.kernel
     def probe(x: cute.Tensor, v: cute.Tensor, r: cute.Tensor, rf: cute.Tensor,
-              fast: cute.Tensor, ieee: cute.Tensor):
+              tiny: cute.Tensor, fast: cute.Tensor, ieee: cute.Tensor):
         tid, _, _ = cute.arch.thread_idx()
         block, _, _ = cute.arch.block_idx()
         first = (block * threads + tid) * batch
@@ -319,21 +324,27 @@ def test_batched_ieee_math_gives_the_ieee_bits():
         vs = [v[first + i] for i in range(batch)]
         rs = [r[first + i] for i in range(batch)]
         rfs = [rf[first + i] for i in range(batch)]
+        ieee_sigmoids = [Float32(1.0) / (Float32(1.0) + exp(-a)) for a in xs]
         results = [sigmoids(xs), silus_bf16(xs), divided_by_roots(vs, rs, 0.0),
-                   divided_by_roots(vs, rfs, 1e-6)]
-        references = [[Float32(1.0) / (Float32(1.0) + exp(-a)) for a in xs],
+                   divided_by_roots(vs, rfs, 1e-6),
+                   *(decays(xs, Float32(1.0), [Float32(0.0)] * batch, b) for b in bounds),
+                   [exp(tiny[first + i]) for i in range(batch)]]
+        references = [ieee_sigmoids,
                       [round_bf16(a / (Float32(1.0) + exp(-a))) for a in xs],
                       [a / cute.math.sqrt(b) for a, b in zip(vs, rs)],
-                      [a / cute.math.sqrt(b) for a, b in zip(vs, rfs)]]
-        for k in cutlass.range_constexpr(4):
+                      [a / cute.math.sqrt(b) for a, b in zip(vs, rfs)],
+                      *([exp(b * s) for s in ieee_sigmoids] for b in bounds),
+                      [Float32(1.0)] * batch]
+        for k in cutlass.range_constexpr(len(names)):
             for i in cutlass.range_constexpr(batch):
                 fast[k * size + first + i] = results[k][i]
                 ieee[k * size + first + i] = references[k][i]
 
     @cute.jit
     def launch(x: cute.Tensor, v: cute.Tensor, r: cute.Tensor, rf: cute.Tensor,
-               fast: cute.Tensor, ieee: cute.Tensor):
-        probe(x, v, r, rf, fast, ieee).launch(grid=(blocks, 1, 1), block=(threads, 1, 1))
+               tiny: cute.Tensor, fast: cute.Tensor, ieee: cute.Tensor):
+        probe(x, v, r, rf, tiny, fast, ieee).launch(grid=(blocks, 1, 1),
+                                                    block=(threads, 1, 1))
 
     rng = np.random.default_rng(7)
 
@@ -353,14 +364,17 @@ def test_batched_ieee_math_gives_the_ieee_bits():
     v = operands(-60, 50, True)
     r = operands(-30, 110, False)
     rf = np.abs(operands(-30, 110, False)) + np.float32(1e-6)  # NaN stays NaN
-    inputs = [torch.from_numpy(a).cuda() for a in (x, v, r, rf)]
-    outputs = [torch.full((4 * size,), float("nan"), device="cuda") for _ in range(2)]
+    # |t| < 2^-40, from the smallest denormal up, and both zeros
+    tiny = rng.integers(0, 0x2B800000, size, dtype=np.uint32).view(np.float32)
+    tiny *= rng.choice(np.float32([-1.0, 1.0]), size)
+    inputs = [torch.from_numpy(a).cuda() for a in (x, v, r, rf, tiny)]
+    outputs = [torch.full((len(names) * size,), float("nan"), device="cuda")
+               for _ in range(2)]
     tensors = [from_dlpack(t, assumed_align=16) for t in (*inputs, *outputs)]
     cute.compile(launch, *tensors)(*tensors)
     torch.cuda.synchronize()
-    fast, ieee = (t.cpu().numpy().reshape(4, size) for t in outputs)
-    for name, f, e in zip(("sigmoids", "silus_bf16", "roots, floor 0", "roots, floor 1e-6"),
-                          fast, ieee):
+    fast, ieee = (t.cpu().numpy().reshape(len(names), size) for t in outputs)
+    for name, f, e in zip(names, fast, ieee):
         nan = np.isnan(e)
         np.testing.assert_array_equal(np.isnan(f), nan, err_msg=name)
         np.testing.assert_array_equal(f[~nan].view(np.uint32), e[~nan].view(np.uint32),

@@ -255,9 +255,18 @@ def silus_bf16(values):
 
 
 def decays(raw_gates, a_exp, dts, lower_bound):
-    """[exp(lower_bound * sigmoid(exp(a_log) * (raw_g + dt_bias)))], a_exp = exp(a_log)."""
-    gates = sigmoids([a_exp * (g + dt) for g, dt in zip(raw_gates, dts)])
-    return [exp(lower_bound * s) for s in gates]
+    """[exp(lower_bound * sigmoid(exp(a_log) * (raw_g + dt_bias)))], a_exp = exp(a_log).
+    No IEEE fallback where |lower_bound| <= 2^60: a denominator d past 2^100 puts the
+    sigmoid below 2^-100 and |lower_bound sigmoid| below 2^-40, whose exp is 1.0 as exp(0)
+    is (tests/test_gpu.py checks both on the device), so the sigmoid is taken as 0 there
+    (a NaN d stays NaN); within 2^100 the fast quotient is the IEEE one."""
+    inputs = [a_exp * (g + dt) for g, dt in zip(raw_gates, dts)]
+    if abs(lower_bound) > 2.0**60:  # a build-time float
+        return [exp(lower_bound * s) for s in sigmoids(inputs)]
+    dens = [Float32(1.0) + exp(-x) for x in inputs]
+    return [exp(lower_bound * Float32(cutlass.select_(d > FAST_HIGH, Float32(0.0),
+                                                      fast_quotient(Float32(1.0), d))))
+            for d in dens]
 
 
 def wide(i):

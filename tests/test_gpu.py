@@ -298,7 +298,8 @@ def test_batched_ieee_math_gives_the_ieee_bits():
     pattern (zero, denormal, huge, inf, NaN); divided_by_roots both with a floor that
     implies the radicands' bound (and radicands that keep it) and with one that does not;
     decays at the config's lower bound and at -2^60, the largest without a fallback; and
-    exp of every magnitude below 2^-40 (denormals too) is 1.0, which decays rely on."""
+    exp of a million values below 2^-40 in magnitude, over every binade down to the
+    denormals, is 1.0, which decays rely on."""
     torch = pytest.importorskip("torch")
     import cutlass
     import cutlass.cute as cute
@@ -364,7 +365,7 @@ def test_batched_ieee_math_gives_the_ieee_bits():
     v = operands(-60, 50, True)
     r = operands(-30, 110, False)
     rf = np.abs(operands(-30, 110, False)) + np.float32(1e-6)  # NaN stays NaN
-    # |t| < 2^-40, from the smallest denormal up, and both zeros
+    # |t| < 2^-40: bit patterns uniform over every binade, the denormals' included
     tiny = rng.integers(0, 0x2B800000, size, dtype=np.uint32).view(np.float32)
     tiny *= rng.choice(np.float32([-1.0, 1.0]), size)
     inputs = [torch.from_numpy(a).cuda() for a in (x, v, r, rf, tiny)]

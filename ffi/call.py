@@ -1,122 +1,123 @@
-"""`cutedsl_verify`: the fused kernel as an XLA custom call (cutlass.jax.cutlass_call),
-with the cache buffers it writes (state, conv, corrections, key_gates) aliased from
-inputs to outputs, so that a jitted step with the cache donated updates them in place.
+"""`cutedsl_verify`: the fused kernel as an XLA custom call, with the cache buffers it
+writes aliased from inputs to outputs, so that a jitted step that donates the cache
+updates them in place.
 
-cutlass_call compiles during lowering (also under `jax.export` for platforms=["cuda"]
-on a machine with no GPU) and caches the binary per kernel, operand shapes and specs:
-one compile per configuration and (B, S, R); JAX's own jit cache sits above it. The
-kernel object (one per static configuration, `verify_kernel`) is its compile key, so a
-lookup does not trace the kernel again: lowering a 20-layer step takes 3.6 s instead of
-5.3-6.1, and 0.09 s instead of 1.7 once its kernel is compiled (CPU, H = 32, T = 4).
+The call is a primitive of its own. Its CUDA lowering compiles the kernel once per
+kernel configuration (`verify_kernel`'s object) for symbolic B, S, R and L: one binary
+serves every batch, cache and layer count, and a new batch size lowers without a
+compile. CuTe DSL compiles for sm_90a during lowering, also under `jax.export` on a
+machine without a GPU. The binary runs through CuTe DSL's FFI target for JAX (the one
+`cutlass.jax.cutlass_call` uses, which XLA may record in its command buffers). On any
+other platform the lowering raises a clear error.
 """
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
+import jax.extend
 import jax.numpy as jnp
+from jax.interpreters import mlir
 
+from jax_kda import operands
 from jax_kda.config import K, KdaConfig
+from jax_kda.ffi.launch import kernel_split, solo_ctas
 from jax_kda.pytrees import KdaCache, KdaParams, VerifyInputs
-from jax_kda.validate import check_verify
 
-SPLITS = (1, 2, 4, 8)
-DEFAULT_SMS = 132  # H100 SXM and H200
-CACHE_WRITES = ("state", "conv", "corrections", "key_gates")  # aliased to outputs 1..4
-FIRST_WRITE = 12  # operand position of cache.state
-
-
-def sm_count(device=None) -> int:
-    """Streaming multiprocessors of `device` (the default device), 132 if unknown."""
-    device = jax.devices()[0] if device is None else device
-    return int(getattr(device, "core_count", 0) or DEFAULT_SMS)
-
-
-def choose_split(items: int, sms: int) -> int:
-    """CTAs per (request, head) for `items` = B x H on `sms` SMs: the smallest split at
-    which the grid puts a CTA on a quarter of the SMs, and at least 2 while the split-2
-    grid still fits the SMs one CTA each. A large batch streams each state with one CTA
-    (the per-token operands computed once per item); a small one spreads its rows over
-    SMs that would otherwise stay idle (H = 32 on 132 SMs: split 2 for B <= 2). Measured
-    on the H200 (us, H = 32, split 1 / 2; launched back to back as the benchmark does and,
-    in parentheses, one at a time as under XLA; benchmarks/RESULTS.md of 2026-12-01 04:49
-    and tests/GPU_RESULTS.md 08:41-08:45): B = 1, T = 4: 6.2 / 5.4 (7.17 / 6.36; split 4
-    6.1, 6.86); B = 2, T = 2, 4, 8: 6.10 / 5.46, 6.98 / 6.01, 11.64 / 9.18 (6.69 / 5.92,
-    7.85 / 6.98, 11.67 / 9.40); B = 3: 6.86 / 7.26, 7.42 / 8.22, 12.11 / 12.24 (7.64 /
-    7.86, 8.01 / 8.42, 12.39 / 12.77); B = 4, T = 4: 8.1 / 8.0 (9.12 / 9.27), T = 8:
-    12.8 / 12.1 (12.36 / 12.50: under XLA split 1 wins; at B = 3-8, T = 5, 6 and 8 it is
-    ahead or within 0.7%, 10:06-10:11); B = 64: 88.9 / 119.4."""
-    for split in SPLITS:
-        if items * split >= sms // 4 and (split > 1 or 2 * items > sms):
-            return split
-    return SPLITS[-1]
-
-
-def solo_ctas(config: KdaConfig, batch: int, split: int, sms: int | None = None) -> bool:
-    """Whether the launch gives each CTA an SM of its own (`FusedVerify`'s solo): where
-    its batch x heads x split CTAs fit the SMs one each, at split 1 or 2. With two CTAs
-    allowed per SM, back-to-back launches put beside each CTA one of the next launch,
-    parked in griddepcontrol.wait (PDL), and a grid may even land two to an SM on half
-    the SMs (seen at split 4). Measured on the H200 against two CTAs allowed (H = 32,
-    tests/GPU_RESULTS.md 20:05-20:30): B = 3 and 4 at split 1 -3..-8% (T = 2, 4, 8),
-    B = 2 at split 2 -4%, level on grids of at most 64 CTAs; solo CTAs at splits 4 and 8
-    (clusters of four SMs and more) were 49-58% slower, and above one CTA per SM they
-    take a second wave (B = 8: +17%)."""
-    sms = sm_count() if sms is None else sms
-    return split <= 2 and batch * config.heads * split <= sms
-
-
-def kernel_split(config: KdaConfig, batch: int, has_bias: bool = True,
-                 sms: int | None = None) -> int:
-    """The split the kernel runs `config` with at `batch` requests: config.split, or
-    `choose_split`'s raised to the smallest whose CTA fits Hopper's shared memory (long
-    records need more). Raises ValueError, naming the need, where none fits."""
-    from jax_kda.kernels import SHARED_LIMIT, verify_kernel
-
-    if config.split is None:
-        first = choose_split(batch * config.heads, sm_count() if sms is None else sms)
-        candidates = [s for s in SPLITS if s >= first]
-    else:
-        candidates = [config.split]
-    for split in candidates:
-        need = verify_kernel(config, split, has_bias).shared_bytes()
-        if need <= SHARED_LIMIT:
-            return split
-    raise ValueError(
-        f"config: tokens={config.tokens}, record_tokens={config.rq}, split={split} needs "
-        f"{need / 1024:.0f} KiB of shared memory per CTA, more than the "
-        f"{SHARED_LIMIT // 1024} KiB of a Hopper SM; use a larger split (or split=None), "
-        f"fewer record_tokens, or backend='jax'")
+verify_p = jax.extend.core.Primitive("jax_kda_verify")
+verify_p.multiple_results = True
 
 
 def cutedsl_verify(params: KdaParams, cache: KdaCache, inputs: VerifyInputs,
-                   config: KdaConfig):
-    """The fused CuTe DSL verify (SPEC.md sections 3-4) as a custom call.
-
-    Same contract as `jax_kda.reference.chunked_verify`: returns (out [B, T, H, K]
-    bf16, cache). config.split None picks the split with `kernel_split`.
-    """
-    import cutlass.jax as cjax
-
+                   config: KdaConfig, layer=None):
+    """The fused CuTe DSL verify on checked arguments (`fused_verify` checks them):
+    (out [B, T, H, K] bf16, cache). layer: the int32 layer of stacked params and
+    cache, or None. config.split None picks the split with `kernel_split`."""
     from jax_kda.kernels import verify_kernel
 
-    B = check_verify(params, cache, inputs, config)
-    has_bias = params.conv_bias is not None
-    # one compiled kernel per split, chosen or given
-    config = dataclasses.replace(config, split=kernel_split(config, B, has_bias))
-    # one object per static configuration: cutlass_call's compile key
-    kernel = verify_kernel(config, config.split, has_bias,
-                           solo=solo_ctas(config, B, config.split))
-    operands = (inputs.x, inputs.f_a, inputs.beta, inputs.gate, inputs.slots,
-                inputs.record_rows, params.conv_weight, params.conv_bias, params.a_log,
-                params.dt_bias, params.f_b, params.norm_weight, cache.state, cache.conv,
-                cache.corrections, cache.key_gates, cache.pending)
-    out_shape = jax.ShapeDtypeStruct((B, config.tokens, config.heads, K), jnp.bfloat16)
-    shapes = (out_shape,) + tuple(getattr(cache, name) for name in CACHE_WRITES)
-    results = cjax.cutlass_call(
-        kernel, output_shape_dtype=shapes,
-        input_output_aliases={FIRST_WRITE + i: 1 + i for i in range(len(CACHE_WRITES))},
-        compile_key=kernel,
-    )(*operands)
-    out, state, conv, corrections, key_gates = results
-    return out, KdaCache(state, conv, corrections, key_gates, cache.pending)
+    B = inputs.slots.shape[0]
+    split = kernel_split(config, B)
+    kernel = verify_kernel(dataclasses.replace(config, split=split), split,
+                           has_bias=params.conv_bias is not None,
+                           solo=solo_ctas(config, B, split), stacked=layer is not None)
+    layer = None if layer is None else jnp.reshape(layer, (1,))
+    arrays = [a for a, op in zip(operands.values(params, cache, inputs, layer),
+                                 operands.OPERANDS) if op.access != operands.WRITE]
+    present = tuple(a is not None for a in arrays)
+    out = jax.ShapeDtypeStruct((B, config.tokens, config.heads, K), jnp.bfloat16)
+    outputs = tuple(jax.ShapeDtypeStruct(a.shape, a.dtype) for a in operands.values(
+        None, cache, None, None, out, only=operands.OUTPUTS))
+    results = _call(*[a for a in arrays if a is not None], kernel=kernel, present=present,
+                    outputs=outputs)
+    return results[0], KdaCache(*results[1:])
+
+
+@functools.partial(jax.jit, static_argnames=("kernel", "present", "outputs"))
+def _call(*arrays, kernel, present, outputs):
+    return verify_p.bind(*arrays, kernel=kernel, present=present, outputs=outputs)
+
+
+@verify_p.def_abstract_eval
+def _abstract(*arrays, kernel, present, outputs):
+    return [jax.core.ShapedArray(o.shape, o.dtype) for o in outputs]
+
+
+def _aliases(present):
+    """ALIASES with positions among the present operands only."""
+    position = {i: sum(present[:i]) for i in range(len(present)) if present[i]}
+    return {position[i]: o for i, o in operands.ALIASES.items()}
+
+
+def _cuda_lowering(*arrays, kernel, present, outputs):
+    compiled = compiled_call(kernel, present, tuple(jnp.dtype(a.dtype).name for a in arrays))
+    from cutlass.jax.ffi import _register_and_get_default_ffi_call_target
+
+    call = jax.ffi.ffi_call(_register_and_get_default_ffi_call_target(True),
+                            result_shape_dtypes=outputs, input_output_aliases=_aliases(present))
+    return call(*arrays, module=compiled.module, key=compiled.fingerprint)
+
+
+def _other_lowering(ctx, *arrays, kernel, present, outputs):
+    raise ValueError(
+        f"backend='cutedsl': the CuTe DSL kernel runs on CUDA GPUs of compute capability "
+        f">= 9.0, and this program is lowered for {ctx.module_context.platforms}; use "
+        f"backend='auto' or backend='jax'")
+
+
+mlir.register_lowering(verify_p, _other_lowering)
+mlir.register_lowering(verify_p, mlir.lower_fun(_cuda_lowering, multiple_results=True),
+                       platform="cuda")
+
+
+@functools.lru_cache(maxsize=None)
+def compiled_call(kernel, present, dtypes):
+    """The kernel compiled for the FFI call: B, S, R and L symbolic, so that one binary
+    serves every batch, cache and layer count. present: which operands are there (the
+    optional ones may not be); dtypes: the present operands' dtype names."""
+    from cutlass.jax.compile import Arg, FunctionSpec, get_or_compile_kernel
+    from cutlass.jax.types import default_tensor_spec
+
+    B, S, R, L = jax.export.symbolic_shape("B, S, R, L")
+    sizes = operands.sizes_of(kernel.config, B, S, R, L)
+    inputs = [op for op, there in zip(operands.INPUTS, present) if there]
+    own = dict(zip((op.name for op in inputs), dtypes))
+    shaped = ([jax.ShapeDtypeStruct(operands.shape(op, sizes, kernel.stacked), own[op.name])
+               for op in inputs]
+              + [jax.ShapeDtypeStruct(operands.shape(op, sizes, kernel.stacked),
+                                      own.get(op.name, op.dtype)) for op in operands.OUTPUTS])
+    args = [Arg(i, s.shape, s.dtype, default_tensor_spec(s)) for i, s in enumerate(shaped)]
+    in_args, out_args = tuple(args[:len(inputs)]), tuple(args[len(inputs):])
+    out_args = tuple(dataclasses.replace(a, idx=j) for j, a in enumerate(out_args))
+    aliases = _aliases(present)
+    kernel_outputs = [j for j in range(len(out_args)) if j not in aliases.values()]
+    spec = FunctionSpec(
+        in_args=in_args,
+        input_tree=jax.tree.structure(tuple(0 if there else None for there in present)),
+        out_args=out_args,
+        output_tree=jax.tree.structure(tuple(kernel_outputs)),
+        input_output_aliases=tuple(sorted(aliases.items())),
+        input_spec=tuple(a.spec for a in in_args),
+        output_spec=tuple(a.spec for a in out_args),
+        compile_options=None, use_static_tensors=False, kwargs=())
+    return get_or_compile_kernel(kernel, spec, compile_key=kernel)

@@ -1,13 +1,14 @@
 """jax-kda: the speculative-decoding verify of Kimi Delta Attention with a deferred
-replay commit, for JAX; a fused CuTe DSL kernel on Hopper, pure JAX elsewhere."""
+replay commit, for JAX; a fused CuTe DSL kernel on Hopper, XLA elsewhere."""
 from jax_kda.commit import accept, flush
 from jax_kda.config import K, KdaConfig
 from jax_kda.prefill import prefill
-from jax_kda.pytrees import KdaCache, KdaParams, PrefillInputs, VerifyInputs, init_cache
+from jax_kda.pytrees import (AWAITING, KdaCache, KdaParams, PrefillInputs, VerifyInputs,
+                             init_cache)
 from jax_kda.validate import check_inputs
 from jax_kda.verify import fused_verify
 
 __all__ = [
-    "K", "KdaCache", "KdaConfig", "KdaParams", "PrefillInputs", "VerifyInputs", "accept",
-    "check_inputs", "flush", "fused_verify", "init_cache", "prefill",
+    "AWAITING", "K", "KdaCache", "KdaConfig", "KdaParams", "PrefillInputs", "VerifyInputs",
+    "accept", "check_inputs", "flush", "fused_verify", "init_cache", "prefill",
 ]

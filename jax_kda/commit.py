@@ -1,56 +1,82 @@
-"""The runner's side of deferred replay: `accept` records how many tokens of the last
-verify were accepted; `flush` folds them into the checkpoint ahead of time (before a
-request is evicted, snapshotted or handed to code that expects a plain state)."""
+"""The runner's side of deferred replay (docs/spec.md, "The runner's protocol"): `accept`
+says how many tokens of the last verify were accepted; `flush` folds them into the
+checkpoint ahead of time (before a request is evicted, snapshotted or handed to code
+that expects a plain state).
+
+Both are plain functions of traced operations: call them inside the jitted step that
+donates the cache, where they update its rows in place. `accept` changes only
+`pending`, so called on its own it copies nothing else either.
+"""
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
 import jax.numpy as jnp
 
 from jax_kda import chunked
-from jax_kda.config import KdaConfig
-from jax_kda.operands import locate, read_history, read_replay, read_state
-from jax_kda.pytrees import KdaCache, KdaParams
-from jax_kda.validate import I32, check_cache, check_params, expect
+from jax_kda.config import CONV_TAPS, KdaConfig
+from jax_kda.pytrees import AWAITING, KdaCache, KdaParams
+from jax_kda.rows import (locate, read_history, read_replay, read_state, two_rows, write,
+                          write_pending, write_state)
+from jax_kda.validate import check_cache, check_params, check_rows, typed
 
 
-@jax.jit
-def accept(cache: KdaCache, record_rows, accepted) -> KdaCache:
-    """pending[record_rows[b]] = accepted[b] for every b with 0 <= record_rows[b] < R.
+def accept(cache: KdaCache, record_rows, accepted, config: KdaConfig) -> KdaCache:
+    """Records how many of the last verify's T tokens each request accepted.
 
-    record_rows, accepted: [B] int32; accepted counts are 1..T after a verify of T
-    tokens (other values are clamped to [0, RQ] by the next verify). Donate the cache
-    to update `pending` in place.
+    record_rows, accepted: [B] int32. For every b with 0 <= record_rows[b] < R whose
+    record row awaits an accept (its last verify's pending is -1), pending becomes
+    accepted[b] clamped to [0, T], in every head (and layer of a stacked cache); 0
+    rejects the whole verify. A row that awaits no accept (accepted already, flushed,
+    prefilled) is left as it is, so a repeated accept changes nothing. Only `pending`
+    is read and written.
     """
-    R = expect("cache.pending", cache.pending, [("R", None)], (I32,))["R"]
-    B = expect("record_rows", record_rows, [("B", None)], (I32,))["B"]
-    expect("accepted", accepted, [("B", B)], (I32,))
+    typed("config", config, KdaConfig)
+    _, R, _ = check_cache(cache, config)
+    B = check_rows("record_rows", record_rows)
+    check_rows("accepted", accepted, B)
+    return dataclasses.replace(cache, pending=_accept(cache.pending, record_rows, accepted,
+                                                      config.tokens))
+
+
+@functools.partial(jax.jit, static_argnums=3)
+def _accept(pending, record_rows, accepted, tokens):
+    R = pending.shape[-2]
     rows = jnp.where((record_rows >= 0) & (record_rows < R), record_rows, R)
-    pending = cache.pending.at[rows].set(accepted, mode="drop")
-    return KdaCache(cache.state, cache.conv, cache.corrections, cache.key_gates, pending)
+    old = pending[..., jnp.minimum(rows, R - 1), :]  # [(L,) B, H]
+    new = jnp.where(old == AWAITING, jnp.clip(accepted, 0, tokens)[:, None], old)
+    return pending.at[..., rows, :].set(new, mode="drop")
 
 
-@functools.partial(jax.jit, static_argnames="config")
 def flush(params: KdaParams, cache: KdaCache, slots, record_rows,
           config: KdaConfig) -> KdaCache:
-    """Folds each request's pending tokens into its checkpoint.
+    """Folds each request's pending tokens into its checkpoint, in every layer of a
+    stacked cache (params stacked alike).
 
     slots, record_rows: [B] int32, as in VerifyInputs (padding rows and out-of-range
     indices are skipped). For each request the replayed state S_n is written to its
     slot, its conv window moves so that positions 0..2 hold the last three inputs, and
     pending becomes 0; the records stay. A verify after a flush gives the same result
-    as one without it. Donate the cache to update it in place.
+    as one without it. Call it inside the jitted step that donates the cache (or as
+    `jax.jit(flush, static_argnames="config", donate_argnums=1)`) to update the rows in
+    place.
     """
-    check_params(params, config)
-    S, _ = check_cache(cache, config)
-    B = expect("slots", slots, [("B", None)], (I32,))["B"]
-    expect("record_rows", record_rows, [("B", B)], (I32,))
-    where = locate(cache, slots, record_rows, config.rq)
-    state_n = chunked.replay(read_state(cache, where),
-                             *read_replay(params, cache, where, config))
-    state = cache.state.at[jnp.where(where.n > 0, where.slot, S)].set(state_n, mode="drop")
-    history = jnp.moveaxis(read_history(cache, where), 2, -1).astype(jnp.bfloat16)
-    conv = cache.conv.at[where.slot, ..., :3].set(history, mode="drop")
-    pending = cache.pending.at[where.record].set(0, mode="drop")
-    return KdaCache(state, conv, cache.corrections, cache.key_gates, pending)
+    _, _, L = check_cache(cache, config)
+    check_params(params, config, False if L is None else L)
+    B = check_rows("slots", slots)
+    check_rows("record_rows", record_rows, B)
+    one = functools.partial(_flush, slots=slots, record_rows=record_rows, config=config)
+    return one(params, cache) if L is None else jax.vmap(one)(params, cache)
+
+
+@functools.partial(jax.jit, static_argnames="config")
+def _flush(params, cache, slots, record_rows, config):
+    rows = locate(cache, *two_rows((slots, record_rows)), config)
+    state_0 = read_state(cache, rows)
+    state_n = chunked.replay(state_0, *read_replay(params, cache, rows, config))
+    history = jnp.moveaxis(read_history(cache, rows), 2, -1)
+    conv = write(cache.conv, None, (rows.slot, ..., slice(0, CONV_TAPS - 1)), history)
+    return dataclasses.replace(cache, state=write_state(cache, rows, state_0, state_n),
+                               conv=conv, pending=write_pending(cache, rows, 0))

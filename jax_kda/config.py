@@ -1,12 +1,36 @@
-"""The static configuration of one KDA verify: a frozen, hashable dataclass that jit
-treats as a compile-time constant."""
+"""The static configuration of a KDA layer's verify (a frozen, hashable dataclass that jit
+treats as a compile-time constant) and the constants every part of the package shares."""
 from __future__ import annotations
 
 import dataclasses
+import math
+import numbers
 
 K = 128  # key and value head dim, and the gate projection's rank
-CONV_TAPS = 4
-SPLITS = (1, 2, 4, 8)
+CONV_TAPS = 4  # the short convolution's width
+NORM_EPS = 1e-6  # inside the L2 norms of q and k
+SPLITS = (1, 2, 4, 8)  # CTAs per (request, head) the kernel can run with
+
+SM_SHARED = 228 * 1024  # shared memory of one Hopper SM
+CTA_SHARED_LIMIT = 227 * 1024  # dynamic shared memory one CTA may opt into on sm_90
+SOLO_SHARED = 120 * 1024  # more than half of SM_SHARED: no second CTA fits beside it
+DEFAULT_SMS = 132  # H100 SXM and H200, where a device does not report its count
+
+
+def integer(value, allowed):
+    """value as an int if it is an integer (numpy's too, never a bool) in `allowed`."""
+    if isinstance(value, numbers.Integral) and not isinstance(value, bool):
+        if allowed(int(value)):
+            return int(value)
+    return None
+
+
+def real(value, allowed):
+    """value as a float if it is a finite real number (never a bool) in `allowed`."""
+    if isinstance(value, numbers.Real) and not isinstance(value, bool):
+        if math.isfinite(value) and allowed(float(value)):
+            return float(value)
+    return None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -17,13 +41,17 @@ class KdaConfig:
       heads: H, number of heads (>= 1); every head has K = 128 key and value channels.
       tokens: T, tokens fed to one verify (2..8): the last sampled token plus T-1 drafts.
       record_tokens: RQ, tokens a record row holds; None means T. Must be >= T.
-      lower_bound: the gate's lower bound; decays are exp(lower_bound * sigmoid(.)).
-      scale: the query scale; None means K**-0.5.
-      eps: the gated RMSNorm's epsilon.
+      lower_bound: the gate's lower bound (finite, < 0); decays are
+        exp(lower_bound * sigmoid(.)).
+      scale: the query scale (finite, > 0); None means K**-0.5.
+      eps: the gated RMSNorm's epsilon (finite, > 0).
       gate_mode: FP32 summation order of the gate projection: 0 = one chain over the
         K rank columns, 1 = four chains over column quarters added as ((c0+c1)+c2)+c3.
       split: CTAs per (request, head) in the CuTe DSL kernel (1, 2, 4, 8); None picks
-        one from the batch size. Ignored by the pure-JAX backend.
+        one from the batch size. Ignored by the XLA backend.
+
+    Integer fields take Python or NumPy integers (not bools), real fields any finite
+    real number; both are stored as Python int and float.
     """
 
     heads: int
@@ -36,26 +64,25 @@ class KdaConfig:
     split: int | None = None
 
     def __post_init__(self):
-        if not isinstance(self.heads, int) or self.heads < 1:
-            raise ValueError(f"heads: expected an int >= 1, got {self.heads!r}")
-        if not isinstance(self.tokens, int) or not 2 <= self.tokens <= 8:
-            raise ValueError(f"tokens: expected an int in 2..8, got {self.tokens!r}")
-        if self.record_tokens is not None and (
-            not isinstance(self.record_tokens, int) or self.record_tokens < self.tokens
-        ):
-            raise ValueError(
-                f"record_tokens: expected None or an int >= tokens={self.tokens}, "
-                f"got {self.record_tokens!r}"
-            )
-        if self.gate_mode not in (0, 1):
-            raise ValueError(f"gate_mode: expected 0 or 1, got {self.gate_mode!r}")
-        if self.split is not None and self.split not in SPLITS:
-            raise ValueError(f"split: expected None or one of {SPLITS}, got {self.split!r}")
-        for name in ("lower_bound", "eps") + (("scale",) if self.scale is not None else ()):
-            if not isinstance(getattr(self, name), (int, float)):
-                raise TypeError(f"{name}: expected a float, got {getattr(self, name)!r}")
-        if self.eps <= 0:
-            raise ValueError(f"eps: expected > 0, got {self.eps!r}")
+        rules = [
+            ("heads", integer, lambda v: v >= 1, "an int >= 1"),
+            ("tokens", integer, lambda v: 2 <= v <= 8, "an int in 2..8"),
+            ("record_tokens", integer, lambda v: v >= self.tokens,
+             f"None or an int >= tokens={self.tokens}"),
+            ("lower_bound", real, lambda v: v < 0, "a finite float < 0"),
+            ("scale", real, lambda v: v > 0, "None or a finite float > 0"),
+            ("eps", real, lambda v: v > 0, "a finite float > 0"),
+            ("gate_mode", integer, lambda v: v in (0, 1), "0 or 1"),
+            ("split", integer, lambda v: v in SPLITS, f"None or one of {SPLITS}"),
+        ]
+        for name, kind, allowed, expected in rules:
+            value = getattr(self, name)
+            if value is None and expected.startswith("None"):
+                continue
+            normal = kind(value, allowed)
+            if normal is None:
+                raise ValueError(f"{name}: expected {expected}, got {value!r}")
+            object.__setattr__(self, name, normal)
 
     @property
     def rq(self) -> int:
@@ -63,6 +90,12 @@ class KdaConfig:
         return self.tokens if self.record_tokens is None else self.record_tokens
 
     @property
+    def window(self) -> int:
+        """W = RQ + 3: positions of the conv window (three inputs before the last
+        verify's first token, then the RQ it may have fed)."""
+        return self.rq + CONV_TAPS - 1
+
+    @property
     def query_scale(self) -> float:
         """scale, or K**-0.5 when None."""
-        return K**-0.5 if self.scale is None else float(self.scale)
+        return K**-0.5 if self.scale is None else self.scale

@@ -1,5 +1,5 @@
-"""The pointwise pieces of a KDA layer at the stock rounding points (SPEC.md steps 2-6),
-shared by every JAX path: the references, the JAX backend, flush and prefill.
+"""The pointwise pieces of a KDA layer at the stock rounding points (docs/spec.md, steps
+2-6), shared by every JAX path: the stock reference, the XLA backend, flush and prefill.
 
 Arrays are FP32 unless named otherwise; "bf16 values" means FP32 arrays holding values
 that were rounded to bf16 where the stock layer rounds.
@@ -9,10 +9,9 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jax_kda.config import CONV_TAPS, K
+from jax_kda.config import CONV_TAPS, K, NORM_EPS
 
 HIGHEST = jax.lax.Precision.HIGHEST
-NORM_EPS = 1e-6  # inside the L2 norms of q and k
 
 
 def round_bf16(x):

@@ -1,7 +1,10 @@
-"""The arrays a KDA layer holds, as registered pytree dataclasses (SPEC.md section 2).
+"""The arrays a KDA layer holds, as registered pytree dataclasses (docs/spec.md, "Data").
 
-Sizes: B requests, T tokens, H heads, K = 128, RQ record tokens, S state slots (slot 0
-is the null slot), R record rows. Every field is an array; nothing here is static.
+Sizes: B requests, T tokens, H heads, K = 128, RQ record tokens, W = RQ + 3 window
+positions, S state slots (slot 0 is the null slot), R record rows. Every field is an
+array; nothing here is static. Params and caches of L stacked layers carry a leading
+layer axis on every leaf (as `jax.tree.map(jnp.stack, ...)` of per-layer ones makes
+them); a step's inputs never do.
 """
 from __future__ import annotations
 
@@ -10,18 +13,23 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from jax_kda.config import CONV_TAPS, K, KdaConfig
+from jax_kda.config import K, KdaConfig, integer
 
 
 def _pytree(cls):
+    """A dataclass registered as a pytree of its fields and for `jax.export`."""
     fields = [f.name for f in dataclasses.fields(cls)]
-    return jax.tree_util.register_dataclass(cls, data_fields=fields, meta_fields=[])
+    jax.tree_util.register_dataclass(cls, data_fields=fields, meta_fields=[])
+    jax.export.register_pytree_node_serialization(
+        cls, serialized_name=f"jax_kda.{cls.__name__}",
+        serialize_auxdata=lambda _: b"", deserialize_auxdata=lambda _: ())
+    return cls
 
 
 @_pytree
 @dataclasses.dataclass(frozen=True)
 class KdaParams:
-    """Weights of one KDA layer.
+    """Weights of one KDA layer (each with a leading [L] when stacked).
 
     conv_weight: [3, 4, H, K] f32 or bf16, depthwise conv taps (part q/k/v, tap, channel).
     conv_bias: [3, H, K] (conv_weight's dtype) or None.
@@ -42,13 +50,16 @@ class KdaParams:
 @_pytree
 @dataclasses.dataclass(frozen=True)
 class KdaCache:
-    """Per-request decode state: the checkpoint plus the records of the last verify.
+    """Per-request decode state: the checkpoint plus the records of the last verify
+    (each with a leading [L] when stacked).
 
     state: [S, H, K, K] f32, checkpoint per slot, [value row, key column].
-    conv: [S, 3, H, K, RQ + 2] bf16, convolution window per slot.
+    conv: [S, 3, H, K, W] bf16, convolution window per slot: the three inputs before
+      the last verify's first token, then the tokens it fed.
     corrections: [R, H, RQ, K] f32, recorded u_t per value row.
     key_gates: [R, H, RQ, 2, K] bf16, recorded key (index 0) and raw gate (index 1).
-    pending: [R] int32, accepted tokens of the last verify not yet in the checkpoint.
+    pending: [R, H] int32, per record row and head: n >= 0 tokens accepted and not yet
+      in the checkpoint, or -1 while the last verify awaits its `accept`.
 
     The state as of a request's last accepted token is (checkpoint, records, pending)
     together; `flush` folds it into the checkpoint alone.
@@ -59,6 +70,9 @@ class KdaCache:
     corrections: jax.Array
     key_gates: jax.Array
     pending: jax.Array
+
+
+AWAITING = -1  # pending of a record row whose verify has not been accepted yet
 
 
 @_pytree
@@ -82,21 +96,40 @@ class VerifyInputs:
     record_rows: jax.Array
 
 
-def init_cache(config: KdaConfig, num_slots: int, num_records: int) -> KdaCache:
-    """A zeroed cache of `num_slots` state slots (slot 0 is the null slot, so >= 2 to
-    hold a request) and `num_records` record rows (>= 1)."""
-    if not isinstance(num_slots, int) or num_slots < 2:
-        raise ValueError(f"num_slots: expected an int >= 2 (slot 0 is null), got {num_slots!r}")
-    if not isinstance(num_records, int) or num_records < 1:
-        raise ValueError(f"num_records: expected an int >= 1, got {num_records!r}")
-    H, RQ = config.heads, config.rq
+def cache_shapes(config: KdaConfig, num_slots: int, num_records: int,
+                 layers: int | None = None) -> KdaCache:
+    """The cache's shapes and dtypes (`jax.ShapeDtypeStruct`s)."""
+    H, RQ, W = config.heads, config.rq, config.window
+    lead = () if layers is None else (layers,)
+    S, R = num_slots, num_records
+    struct = lambda shape, dtype: jax.ShapeDtypeStruct(lead + shape, dtype)
     return KdaCache(
-        state=jnp.zeros((num_slots, H, K, K), jnp.float32),
-        conv=jnp.zeros((num_slots, 3, H, K, RQ + CONV_TAPS - 2), jnp.bfloat16),
-        corrections=jnp.zeros((num_records, H, RQ, K), jnp.float32),
-        key_gates=jnp.zeros((num_records, H, RQ, 2, K), jnp.bfloat16),
-        pending=jnp.zeros((num_records,), jnp.int32),
+        state=struct((S, H, K, K), jnp.float32),
+        conv=struct((S, 3, H, K, W), jnp.bfloat16),
+        corrections=struct((R, H, RQ, K), jnp.float32),
+        key_gates=struct((R, H, RQ, 2, K), jnp.bfloat16),
+        pending=struct((R, H), jnp.int32),
     )
+
+
+def init_cache(config: KdaConfig, num_slots: int, num_records: int, *,
+               layers: int | None = None) -> KdaCache:
+    """A zeroed cache of `num_slots` state slots (slot 0 is the null slot, so >= 2 to
+    hold a request) and `num_records` record rows (>= 1); `layers`: L stacked layers
+    (a leading [L] on every leaf), None for one layer."""
+    sizes = {}
+    for name, value, least in (("num_slots", num_slots, 2), ("num_records", num_records, 1),
+                               ("layers", layers, 1)):
+        if name == "layers" and value is None:
+            continue
+        sizes[name] = integer(value, lambda v: v >= least)
+        if sizes[name] is None:
+            extra = " (slot 0 is null)" if name == "num_slots" else ""
+            raise ValueError(f"{name}: expected an int >= {least}{extra}, got {value!r}")
+    num_slots, num_records, layers = (sizes.get(n) for n in ("num_slots", "num_records",
+                                                               "layers"))
+    return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype),
+                        cache_shapes(config, num_slots, num_records, layers))
 
 
 @_pytree

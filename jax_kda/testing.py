@@ -7,12 +7,18 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_kda.config import CONV_TAPS, K, KdaConfig
-from jax_kda.pytrees import KdaCache, KdaParams, VerifyInputs
+from jax_kda.pytrees import KdaCache, KdaParams, VerifyInputs, cache_shapes
 
 
 def random_params(key, config: KdaConfig, *, conv_dtype=jnp.float32, conv_bias=True,
-                  norm_dtype=jnp.float32) -> KdaParams:
-    """Weights scaled as a trained layer's: raw gates and decays spread over their range."""
+                  norm_dtype=jnp.float32, layers: int | None = None) -> KdaParams:
+    """Weights scaled as a trained layer's: raw gates and decays spread over their range;
+    `layers`: L stacked layers, each drawn on its own."""
+    if layers is not None:
+        each = [random_params(jax.random.fold_in(key, i), config, conv_dtype=conv_dtype,
+                              conv_bias=conv_bias, norm_dtype=norm_dtype)
+                for i in range(layers)]
+        return jax.tree.map(lambda *leaves: jnp.stack(leaves), *each)
     H = config.heads
     k = jax.random.split(key, 6)
     normal = lambda i, shape, s: s * jax.random.normal(k[i], shape, jnp.float32)
@@ -26,17 +32,20 @@ def random_params(key, config: KdaConfig, *, conv_dtype=jnp.float32, conv_bias=T
     )
 
 
-def random_cache(key, config: KdaConfig, num_slots: int, num_records: int) -> KdaCache:
-    """A cache as a running decode leaves it: every buffer random, pending in [1, T]."""
-    H, RQ = config.heads, config.rq
+def random_cache(key, config: KdaConfig, num_slots: int, num_records: int, *,
+                 layers: int | None = None) -> KdaCache:
+    """A cache as a running decode leaves it: every buffer random, each record row's
+    pending in [1, T] (the same in every head and layer, as the protocol keeps it), every
+    other buffer different in every layer."""
+    shapes = cache_shapes(config, num_slots, num_records, layers)
     k = jax.random.split(key, 5)
+    pending = jax.random.randint(k[4], (num_records, 1), 1, config.tokens + 1, jnp.int32)
     return KdaCache(
-        state=0.5 * jax.random.normal(k[0], (num_slots, H, K, K), jnp.float32),
-        conv=jax.random.normal(k[1], (num_slots, 3, H, K, RQ + CONV_TAPS - 2)).astype(
-            jnp.bfloat16),
-        corrections=jax.random.normal(k[2], (num_records, H, RQ, K), jnp.float32),
-        key_gates=jax.random.normal(k[3], (num_records, H, RQ, 2, K)).astype(jnp.bfloat16),
-        pending=jax.random.randint(k[4], (num_records,), 1, config.tokens + 1, jnp.int32),
+        state=0.5 * jax.random.normal(k[0], shapes.state.shape, jnp.float32),
+        conv=jax.random.normal(k[1], shapes.conv.shape).astype(jnp.bfloat16),
+        corrections=jax.random.normal(k[2], shapes.corrections.shape, jnp.float32),
+        key_gates=jax.random.normal(k[3], shapes.key_gates.shape).astype(jnp.bfloat16),
+        pending=jnp.broadcast_to(pending, shapes.pending.shape),
     )
 
 

@@ -1,12 +1,12 @@
-"""Argument checks: shapes, dtypes and config at trace time; index and pending values
-on the host (`check_inputs`)."""
+"""Argument checks: shapes, dtypes and config at trace time, once at each public entry;
+index and pending values on the host (`check_inputs`)."""
 from __future__ import annotations
 
 import numpy as np
 import jax.numpy as jnp
 
 from jax_kda.config import CONV_TAPS, K, KdaConfig
-from jax_kda.pytrees import KdaCache, KdaParams, VerifyInputs
+from jax_kda.pytrees import AWAITING, KdaCache, KdaParams, VerifyInputs
 
 BF16, F32, I32 = jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32), jnp.dtype(jnp.int32)
 
@@ -36,90 +36,148 @@ def expect(name, array, dims, dtypes):
     return {label: size for (label, value), size in zip(dims, shape) if value is None}
 
 
-def _typed(name, value, cls):
+def typed(name, value, cls):
     if not isinstance(value, cls):
         raise TypeError(f"{name}: expected a {cls.__name__}, got {type(value).__name__}")
 
 
-def check_params(params: KdaParams, config: KdaConfig) -> None:
-    """Trace-time check of the layer weights against `config`."""
-    _typed("params", params, KdaParams)
-    _typed("config", config, KdaConfig)
-    H = config.heads
+def _lead(layers):
+    """The leading layer dim of stacked leaves: [] for one layer, [("L", L)] (L None:
+    bound by the first leaf) for stacked ones."""
+    return [] if layers is False else [("L", None if layers is True else layers)]
+
+
+def check_params(params: KdaParams, config: KdaConfig, layers=False) -> None:
+    """Trace-time check of the layer weights against `config`; layers: False (one
+    layer), or the stacked layer count L."""
+    typed("params", params, KdaParams)
+    typed("config", config, KdaConfig)
+    H, lead = config.heads, _lead(layers)
     conv_dtype = jnp.dtype(getattr(params.conv_weight, "dtype", F32))
     expect("params.conv_weight", params.conv_weight,
-           [(None, 3), (None, CONV_TAPS), ("H", H), (None, K)], (F32, BF16))
+           lead + [(None, 3), (None, CONV_TAPS), ("H", H), (None, K)], (F32, BF16))
     if params.conv_bias is not None:
-        expect("params.conv_bias", params.conv_bias, [(None, 3), ("H", H), (None, K)],
-               (conv_dtype,))
-    expect("params.a_log", params.a_log, [("H", H)], (F32,))
-    expect("params.dt_bias", params.dt_bias, [("H", H), (None, K)], (F32,))
-    expect("params.f_b", params.f_b, [("H", H), (None, K), (None, K)], (BF16,))
-    expect("params.norm_weight", params.norm_weight, [(None, K)], (F32, BF16))
+        expect("params.conv_bias", params.conv_bias,
+               lead + [(None, 3), ("H", H), (None, K)], (conv_dtype,))
+    expect("params.a_log", params.a_log, lead + [("H", H)], (F32,))
+    expect("params.dt_bias", params.dt_bias, lead + [("H", H), (None, K)], (F32,))
+    expect("params.f_b", params.f_b, lead + [("H", H), (None, K), (None, K)], (BF16,))
+    expect("params.norm_weight", params.norm_weight, lead + [(None, K)], (F32, BF16))
 
 
-def check_cache(cache: KdaCache, config: KdaConfig) -> tuple[int, int]:
-    """Trace-time check of the cache; returns (S, R)."""
-    _typed("cache", cache, KdaCache)
-    H, RQ = config.heads, config.rq
-    S = expect("cache.state", cache.state, [("S", None), ("H", H), (None, K), (None, K)],
-               (F32,))["S"]
+def check_cache(cache: KdaCache, config: KdaConfig, stacked: bool | None = None):
+    """Trace-time check of the cache; stacked: whether leaves carry a layer axis (None:
+    read off cache.state's rank). Returns (S, R, L), L None for one layer."""
+    typed("cache", cache, KdaCache)
+    typed("config", config, KdaConfig)
+    if stacked is None:
+        stacked = getattr(cache.state, "ndim", 4) == 5
+    H, RQ, W = config.heads, config.rq, config.window
+    sizes = expect("cache.state", cache.state, _lead(stacked) + [
+        ("S", None), ("H", H), (None, K), (None, K)], (F32,))
+    S, L = sizes["S"], sizes.get("L")
+    lead = _lead(False if L is None else L)
     expect("cache.conv", cache.conv,
-           [("S", S), (None, 3), ("H", H), (None, K), ("RQ+2", RQ + CONV_TAPS - 2)], (BF16,))
+           lead + [("S", S), (None, 3), ("H", H), (None, K), ("W", W)], (BF16,))
     R = expect("cache.corrections", cache.corrections,
-               [("R", None), ("H", H), ("RQ", RQ), (None, K)], (F32,))["R"]
+               lead + [("R", None), ("H", H), ("RQ", RQ), (None, K)], (F32,))["R"]
     expect("cache.key_gates", cache.key_gates,
-           [("R", R), ("H", H), ("RQ", RQ), (None, 2), (None, K)], (BF16,))
-    expect("cache.pending", cache.pending, [("R", R)], (I32,))
+           lead + [("R", R), ("H", H), ("RQ", RQ), (None, 2), (None, K)], (BF16,))
+    expect("cache.pending", cache.pending, lead + [("R", R), ("H", H)], (I32,))
     if S < 1 or R < 1:
         raise ValueError(f"cache: expected S >= 1 slots and R >= 1 record rows, got {S=}, {R=}")
-    return S, R
+    return S, R, L
+
+
+def check_layer(layer, L):
+    """`layer` of a stacked call: a Python int in [0, L) or an int32 scalar array."""
+    if isinstance(layer, (int, np.integer)) and not isinstance(layer, bool):
+        if not 0 <= int(layer) < L:
+            raise ValueError(f"layer: expected an int in [0, L={L}), got {layer!r}")
+        return jnp.int32(layer)
+    expect("layer", layer, [], (I32,))
+    return layer
+
+
+def check_rows(name, array, B=None):
+    """A [B] int32 index array; returns B."""
+    return expect(name, array, [("B", B)], (I32,)).get("B", B)
 
 
 def check_verify(params: KdaParams, cache: KdaCache, inputs: VerifyInputs,
-                 config: KdaConfig) -> int:
-    """Trace-time check of every argument of a verify; returns the batch size B."""
-    check_params(params, config)
-    check_cache(cache, config)
-    _typed("inputs", inputs, VerifyInputs)
+                 config: KdaConfig, layer=None):
+    """Trace-time check of every argument of a verify; returns (B, S, R, layer), layer
+    an int32 scalar for a stacked call (None otherwise)."""
+    stacked = layer is not None
+    _, _, L = check_cache(cache, config, stacked)
+    check_params(params, config, L if stacked else False)
+    typed("inputs", inputs, VerifyInputs)
     H, T = config.heads, config.tokens
     B = expect("x", inputs.x, [("B", None), ("T", T), (None, 3), ("H", H), (None, K)],
                (BF16,))["B"]
     expect("f_a", inputs.f_a, [("B", B), ("T", T), (None, K)], (BF16,))
     expect("beta", inputs.beta, [("B", B), ("T", T), ("H", H)], (BF16,))
     expect("gate", inputs.gate, [("B", B), ("T", T), ("H", H), (None, K)], (BF16,))
-    expect("slots", inputs.slots, [("B", B)], (I32,))
-    expect("record_rows", inputs.record_rows, [("B", B)], (I32,))
-    return B
+    check_rows("slots", inputs.slots, B)
+    check_rows("record_rows", inputs.record_rows, B)
+    return B, (check_layer(layer, L) if stacked else None)
 
 
-def check_inputs(cache: KdaCache, slots, record_rows, config: KdaConfig) -> None:
-    """Host-side check of the index values of one batch (concrete arrays, not tracers).
+def check_inputs(cache: KdaCache, slots, record_rows, config: KdaConfig, *,
+                 accepted=None) -> None:
+    """Host-side check of one batch's index values (concrete arrays, not tracers), for
+    a verify or, with `accepted`, for the `accept` after it.
 
     Raises ValueError listing every problem: slots or record rows past their buffers
-    (which the verify treats as padding / as keeping no records), a slot or record row
-    used twice in the batch, and pending counts outside [0, RQ] (which the verify
-    clamps). Padding rows (slot <= 0) are ignored.
+    (which a verify treats as padding / as keeping no records), negative indices other
+    than the padding slot 0 and the record row -1 (each means one of those, but a
+    runner rarely writes them on purpose), a slot or record row used twice in the
+    batch, pending counts outside [0, RQ] or differing between heads or layers (clamped
+    by a verify), and a record row that still awaits the accept of its last verify
+    (whose tokens then count as rejected). With `accepted`: counts outside [0, T]
+    (clamped) and record rows that no verify has left awaiting an accept (the accept
+    is ignored there). Padding rows (slot <= 0) are ignored.
     """
-    S, R, RQ = cache.state.shape[0], cache.pending.shape[0], config.rq
+    S, R, _ = check_cache(cache, config)
     slots, rows = np.asarray(slots), np.asarray(record_rows)
-    pending = np.asarray(cache.pending)
+    pending = np.asarray(cache.pending).reshape(-1, R, config.heads)
     live = slots > 0
     problems = []
-    for b in np.flatnonzero(live & (slots >= S)):
-        problems.append(f"slots[{b}]={slots[b]} is >= num_slots={S}: treated as padding")
-    for b in np.flatnonzero(live & (rows >= R)):
-        problems.append(f"record_rows[{b}]={rows[b]} is >= num_records={R}: keeps no records")
+    for name, values, size, fallback in (("slots", slots, S, "treated as padding"),
+                                         ("record_rows", rows, R, "keeps no records")):
+        for b in np.flatnonzero((values >= size) & live):
+            problems.append(f"{name}[{b}]={values[b]} is >= {size}: {fallback}")
+    for b in np.flatnonzero(slots < 0):
+        problems.append(f"slots[{b}]={slots[b]} is negative: treated as padding (use 0)")
+    for b in np.flatnonzero(live & (rows < -1)):
+        problems.append(f"record_rows[{b}]={rows[b]} is below -1: keeps no records (use -1)")
+    indexed = live & (rows >= 0) & (rows < R)
     for name, values, mask in (("slots", slots, live & (slots < S)),
-                               ("record_rows", rows, live & (rows >= 0) & (rows < R))):
+                               ("record_rows", rows, indexed)):
         used, counts = np.unique(values[mask], return_counts=True)
         for value in used[counts > 1]:
             where = np.flatnonzero(mask & (values == value)).tolist()
             problems.append(f"{name}: {value} is used by several requests {where}")
-    for b in np.flatnonzero(live & (rows >= 0) & (rows < R)):
-        n = pending[rows[b]]
-        if not 0 <= n <= RQ:
-            problems.append(f"pending[{rows[b]}]={n} (request {b}) is outside [0, RQ={RQ}]: "
+    T, RQ = config.tokens, config.rq
+    for b in np.flatnonzero(indexed):
+        n = pending[:, rows[b]]
+        first = int(n.flat[0])
+        if np.any(n != first):
+            problems.append(f"pending[{rows[b]}] (request {b}) differs between heads or "
+                            f"layers: {sorted(set(n.ravel().tolist()))}")
+        elif accepted is None and first == AWAITING:
+            problems.append(f"pending[{rows[b]}] (request {b}) awaits the accept of its last "
+                            "verify: its tokens count as rejected")
+        elif accepted is None and not 0 <= first <= RQ:
+            problems.append(f"pending[{rows[b]}]={first} (request {b}) is outside [0, RQ={RQ}]: "
                             "clamped")
+        elif accepted is not None and first != AWAITING:
+            problems.append(f"record_rows[{b}]={rows[b]}: no verify awaits an accept there "
+                            "(the accept is ignored)")
+    if accepted is not None:
+        accepted = np.asarray(accepted)
+        for b in np.flatnonzero(live & ((accepted < 0) | (accepted > T))):
+            problems.append(f"accepted[{b}]={accepted[b]} is outside [0, T={T}]: clamped")
     if problems:
         raise ValueError("check_inputs found:\n  " + "\n  ".join(problems))
+

@@ -1,13 +1,16 @@
 """fused_verify: one speculative verify step of a KDA layer with the deferred replay
-commit, on the CuTe DSL kernel where it runs and in pure JAX elsewhere."""
+commit, on the CuTe DSL kernel where it runs and in XLA elsewhere."""
 from __future__ import annotations
 
+import functools
+
 import jax
+import jax.numpy as jnp
 
 from jax_kda.config import KdaConfig
 from jax_kda.pytrees import KdaCache, KdaParams, VerifyInputs
-from jax_kda.reference import chunked_verify
 from jax_kda.validate import check_verify
+from jax_kda.xla import xla_verify
 
 BACKENDS = ("auto", "jax", "cutedsl")
 
@@ -18,31 +21,19 @@ def cutedsl_supported(device=None) -> bool:
     device = jax.devices()[0] if device is None else device
     if device.platform != "gpu" or not hasattr(device, "compute_capability"):
         return False
-    major = int(str(device.compute_capability).split(".")[0])
-    if major < 9:
+    if int(str(device.compute_capability).split(".")[0]) < 9:
         return False
     try:
-        import cutlass  # noqa: F401
+        import cutlass  # noqa: F401 - installed or not
     except ImportError:
         return False
     return True
 
 
-def _kernel_fits(config: KdaConfig, batch: int, params: KdaParams) -> bool:
-    """Whether some split of the kernel fits the shared memory (see `kernel_split`)."""
-    from jax_kda.ffi import kernel_split
-
-    try:
-        kernel_split(config, batch, params.conv_bias is not None)
-    except ValueError:
-        return False
-    return True
-
-
 def fused_verify(params: KdaParams, cache: KdaCache, inputs: VerifyInputs,
-                 config: KdaConfig, *, backend: str = "auto"):
+                 config: KdaConfig, *, backend: str = "auto", layer=None):
     """Replays each request's accepted tokens into its checkpoint, verifies this step's
-    T tokens from it, and records them for the next step (SPEC.md section 3).
+    T tokens from it, and records them for the next step (docs/spec.md).
 
     Args:
       params: the layer's weights (`KdaParams`).
@@ -52,6 +43,10 @@ def fused_verify(params: KdaParams, cache: KdaCache, inputs: VerifyInputs,
       backend: "cutedsl" (the fused CuTe DSL kernel, CUDA GPUs of compute capability
         >= 9.0), "jax" (the chunked form in XLA, any device) or "auto" (the kernel
         where it runs and its CTA fits the shared memory, else "jax").
+      layer: with stacked params and cache (a leading layer axis L on every leaf), the
+        layer to run: a Python int or an int32 scalar (e.g. traced in `lax.scan`). The
+        layer's rows are read and written in the stacked buffers, nothing is sliced
+        or copied; a traced layer outside [0, L) makes every row a padding row.
 
     Returns:
       (out [B, T, H, K] bf16, cache). Inside `jax.jit` with the cache donated, the
@@ -64,12 +59,51 @@ def fused_verify(params: KdaParams, cache: KdaCache, inputs: VerifyInputs,
     """
     if backend not in BACKENDS:
         raise ValueError(f"backend: expected one of {BACKENDS}, got {backend!r}")
-    batch = check_verify(params, cache, inputs, config)
+    batch, layer = check_verify(params, cache, inputs, config, layer)
     if backend == "auto":
-        backend = "cutedsl" if cutedsl_supported() and _kernel_fits(config, batch,
-                                                                     params) else "jax"
-    if backend == "jax":
-        return chunked_verify(params, cache, inputs, config)
-    from jax_kda.ffi import cutedsl_verify  # the kernel and its custom call, lazily
+        backend = "cutedsl" if cutedsl_supported() and _kernel_fits(config, batch) else "jax"
+    return _folding(config, backend)(params, cache, inputs, layer)
 
-    return cutedsl_verify(params, cache, inputs, config)
+
+@functools.lru_cache(maxsize=None)
+def _folding(config: KdaConfig, backend: str):
+    """The backend's verify under `jax.vmap`: a mapped axis of the inputs folds into the
+    batch (the requests of every mapped instance share the cache, as in one call);
+    mapped params, cache or layer are refused."""
+    if backend == "jax":
+        verify = functools.partial(xla_verify, config=config)
+    else:
+        from jax_kda.ffi import cutedsl_verify  # the kernel and its custom call, lazily
+
+        verify = functools.partial(cutedsl_verify, config=config)
+
+    @jax.custom_batching.custom_vmap
+    def run(params, cache, inputs, layer):
+        return verify(params, cache, inputs, layer=layer)
+
+    @run.def_vmap
+    def fold(axis_size, in_batched, params, cache, inputs, layer):
+        params_b, cache_b, inputs_b, layer_b = in_batched
+        if any(jax.tree.leaves((params_b, cache_b, layer_b))):
+            raise ValueError("jax.vmap of fused_verify: only the inputs may be mapped (their "
+                             "mapped axis folds into the batch B); params, cache and layer "
+                             "must not be")
+        widen = lambda a, mapped: a if mapped else jnp.broadcast_to(a, (axis_size,) + a.shape)
+        fold_in = lambda a: a.reshape((-1,) + a.shape[2:])  # [V, B, ...] -> [V B, ...]
+        folded = jax.tree.map(lambda a, mapped: fold_in(widen(a, mapped)), inputs, inputs_b)
+        out, cache = run(params, cache, folded, layer)
+        unmapped = jax.tree.map(lambda _: False, cache)
+        return (out.reshape((axis_size, -1) + out.shape[1:]), cache), (True, unmapped)
+
+    return run
+
+
+def _kernel_fits(config: KdaConfig, batch: int) -> bool:
+    """Whether some split of the kernel fits the shared memory (see `kernel_split`)."""
+    from jax_kda.ffi import kernel_split
+
+    try:
+        kernel_split(config, batch)
+    except ValueError:
+        return False
+    return True

@@ -1,14 +1,17 @@
 """Compile the fused verify kernel for every configuration (no GPU needed) and print a
 table: registers per thread, spill (local memory) bytes, shared memory, compile seconds.
 
-    python -m jax_kda.kernels --arch sm_90a [--subset]
+    python -m jax_kda.kernels --arch sm_90a [--subset] [--jobs N]
 
-`--subset` compiles what CI runs: every split, tokens 2, 4 and 8, both gate modes.
-The exit status is 1 if a configuration fails to compile or spills.
+Every T, gate mode and split, then the operand variants (no bias; bf16 conv and norm
+weights) and the stacked-layer build on one shape per split; `--subset`: every split at
+tokens 2, 4 and 8. Configurations compile in N processes (default: one per CPU). The
+exit status is 1 if a configuration fails to compile or spills.
 """
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import contextlib
 import io
 import itertools
@@ -43,59 +46,68 @@ def launch_smem_bytes(compiled):
 
 
 def configurations(subset, only=()):
+    base = dict(has_bias=True, conv_dtype="float32", norm_dtype="float32", stacked=False)
     if only:
         for T, gate_mode, split in only:
-            yield dict(tokens=T, gate_mode=gate_mode, split=split, has_bias=True,
-                       conv_dtype="float32", norm_dtype="float32")
+            yield dict(base, tokens=T, gate_mode=gate_mode, split=split)
         return
     tokens = (2, 4, 8) if subset else range(2, 9)
     for T, gate_mode, split in itertools.product(tokens, (0, 1), (1, 2, 4, 8)):
-        yield dict(tokens=T, gate_mode=gate_mode, split=split, has_bias=True,
-                   conv_dtype="float32", norm_dtype="float32")
-    if not subset:  # the operand variants, on one representative shape per split
-        for split, (bias, conv, norm) in itertools.product(
-                (1, 2, 4, 8), [(False, "float32", "float32"), (True, "bfloat16", "bfloat16")]):
-            yield dict(tokens=4, gate_mode=0, split=split, has_bias=bias, conv_dtype=conv,
-                       norm_dtype=norm)
+        yield dict(base, tokens=T, gate_mode=gate_mode, split=split)
+    if not subset:  # the operand variants and the stacked build, one shape per split
+        variants = [dict(has_bias=False), dict(conv_dtype="bfloat16", norm_dtype="bfloat16"),
+                    dict(stacked=True)]
+        for split, variant in itertools.product((1, 2, 4, 8), variants):
+            yield dict(base, tokens=4, gate_mode=0, split=split, **variant)
+
+
+def compile_one(arch, heads, c):
+    """One row of the table: (configuration, regs, local bytes, smem, seconds, status)."""
+    os.environ["CUTE_DSL_ARCH"] = arch  # before cutlass is imported
+    from jax_kda.config import KdaConfig
+    from jax_kda.kernels import compile_verify
+
+    config = KdaConfig(heads=heads, tokens=c["tokens"], gate_mode=c["gate_mode"])
+    report = io.StringIO()
+    start = time.perf_counter()
+    try:
+        with contextlib.redirect_stderr(report):
+            compiled = compile_verify(config, c["split"], c["has_bias"], c["conv_dtype"],
+                                      c["norm_dtype"], options="remarks{ptx}",
+                                      stacked=c["stacked"])
+        regs, local = ptxas_usage(report.getvalue())
+        smem = launch_smem_bytes(compiled)
+        status = "ok" if local == 0 else "SPILLS" if local else "NO REPORT"
+    except Exception as error:  # noqa: BLE001 - the DSL raises its own classes
+        regs = local = smem = None
+        status = f"FAILED: {type(error).__name__}: {str(error).splitlines()[0][:80]}"
+    return c, regs, local, smem, time.perf_counter() - start, status
 
 
 def main(argv=None):
     parser = argparse.ArgumentParser(prog="python -m jax_kda.kernels", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--arch", default="sm_90a", help="target (default sm_90a)")
-    parser.add_argument("--subset", action="store_true", help="the configurations CI compiles")
+    parser.add_argument("--subset", action="store_true", help="every split at T = 2, 4, 8")
     parser.add_argument("--heads", type=int, default=4, help="H of every configuration")
+    parser.add_argument("--jobs", type=int, default=os.cpu_count(),
+                        help="compiles in parallel (default: one per CPU)")
     parser.add_argument("--only", action="append", default=[], metavar="T,GATE,SPLIT",
                         type=lambda text: tuple(int(v) for v in text.split(",")),
                         help="compile just this configuration (repeatable)")
     args = parser.parse_args(argv)
-    os.environ["CUTE_DSL_ARCH"] = args.arch  # before cutlass is imported
-
-    from jax_kda.config import KdaConfig
-    from jax_kda.kernels import compile_verify
-
     print(f"{'T':>2} {'gate':>4} {'split':>5} {'bias':>5} {'conv':>8} {'norm':>8} "
-          f"{'regs':>4} {'local':>5} {'smem':>6} {'secs':>5}  status", flush=True)
+          f"{'stack':>5} {'regs':>4} {'local':>5} {'smem':>6} {'secs':>5}  status", flush=True)
     failed = 0
-    for c in configurations(args.subset, args.only):
-        config = KdaConfig(heads=args.heads, tokens=c["tokens"], gate_mode=c["gate_mode"])
-        report = io.StringIO()
-        start = time.perf_counter()
-        try:
-            with contextlib.redirect_stderr(report):
-                compiled = compile_verify(config, c["split"], c["has_bias"], c["conv_dtype"],
-                                          c["norm_dtype"], options="remarks{ptx}")
-            regs, local = ptxas_usage(report.getvalue())
-            smem = launch_smem_bytes(compiled)
-            status = "ok" if local == 0 else "SPILLS" if local else "NO REPORT"
-        except Exception as error:  # noqa: BLE001 - the DSL raises its own classes
-            regs = local = smem = None
-            status = f"FAILED: {type(error).__name__}: {str(error).splitlines()[0][:80]}"
-        seconds = time.perf_counter() - start
-        failed += status != "ok"
-        print(f"{c['tokens']:>2} {c['gate_mode']:>4} {c['split']:>5} {str(c['has_bias']):>5} "
-              f"{c['conv_dtype']:>8} {c['norm_dtype']:>8} {regs!s:>4} {local!s:>5} "
-              f"{smem!s:>6} {seconds:5.1f}  {status}", flush=True)
+    work = list(configurations(args.subset, args.only))
+    with concurrent.futures.ProcessPoolExecutor(max(1, min(args.jobs, len(work)))) as pool:
+        for c, regs, local, smem, seconds, status in pool.map(
+                compile_one, [args.arch] * len(work), [args.heads] * len(work), work):
+            failed += status != "ok"
+            print(f"{c['tokens']:>2} {c['gate_mode']:>4} {c['split']:>5} "
+                  f"{str(c['has_bias']):>5} {c['conv_dtype']:>8} {c['norm_dtype']:>8} "
+                  f"{str(c['stacked']):>5} {regs!s:>4} {local!s:>5} {smem!s:>6} "
+                  f"{seconds:5.1f}  {status}", flush=True)
     print(f"{failed} configurations failed or spilled" if failed else "all compiled, no spills")
     return 1 if failed else 0
 

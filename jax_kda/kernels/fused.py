@@ -1,63 +1,94 @@
-"""The fused verify kernel (SPEC.md sections 3 and 4): one pass over each request's FP32
-state replays the accepted tokens of the last verify into the checkpoint (closed form),
-verifies this step's T tokens from it in chunked (WY) form and records them.
+"""The fused verify kernel (docs/spec.md; its layout is docs/design.md): one pass over
+each request's FP32 state replays the accepted tokens of the last verify into the
+checkpoint (closed form), verifies this step's T tokens from it in chunked (WY) form
+and records them.
 
-Layout: a cluster of `split` CTAs of 256 threads per (request, head); CTA `rank` owns
-the state rows [rank RC, (rank + 1) RC), RC = 128 / split, and every CTA of the item
-recomputes the shared per-token operands (convolution, norms, pair products); the gate
-projection is shared instead: each CTA projects the features of its channel share,
-reading 1 / split of f_b[h], and pushes their decays to every CTA of the item over
-distributed shared memory. Thread (g, l) of the state pass holds rows RPT g + r
-(r < RPT) and the 4-key chunks l + LANES c (c < KCH) of them, LANES threads per row
-(RPT = 4 where the accumulators fit: each Gamma k / Gamma q vector read from shared
-memory then feeds 4 rows). The small operands of an item are all requested before any
-is waited on (latency, not bandwidth, bounds a CTA's life), by cp.async into shared
-memory, while the gate projection runs; the CTA's state rows (contiguous) by one bulk
-copy on an mbarrier, with them in a crowded grid, else once they have landed
-(`CROWDED_CTAS_PER_SM`). The IEEE divisions and roots of a thread go in branch-free
-batches (primitives.quotients, divided_by_roots) so that ptxas can overlap them, each
-batch's range test on the fewest values that bound it. The gated RMSNorm's sums
-of squares cross the cluster through distributed shared memory. CTA `rank` writes the
-per-item records (keys, raw gates) and the convolution window of channels
-[rank K / split, (rank + 1) K / split), right after the prologue, once a cluster barrier
-shows that every CTA of the item has read the old ones.
-
-Before `griddepcontrol.wait` the kernel reads only the weights: under XLA the kernel
-that runs just before it may write any other operand (an `accept` scatter, a copy). A
-grid small enough to wait there as a whole also reads the slot and record row, only to
-aim L2 prefetches of the item's rows (`prefetch`: hints, whatever the values).
-
-Operand order (cutlass_call's (stream, *inputs, *outputs)): x [B, T, 3, H, K] bf16,
-f_a [B, T, K] bf16, beta [B, T, H] bf16, gate [B, T, H, K] bf16, slots [B] i32,
-record_rows [B] i32, conv_weight [3, 4, H, K], conv_bias [3, H, K] or None, a_log [H],
-dt_bias [H, K], f_b [H, K, K] bf16, norm_weight [K], state [S, H, K, K] f32,
-conv [S, 3, H, K, RQ + 2] bf16, corrections [R, H, RQ, K] f32,
-key_gates [R, H, RQ, 2, K] bf16, pending [R] i32 (the cache, updated in place), then
-out [B, T, H, K] bf16. All row-major; every array is addressed from its base pointer.
+A cluster of `split` CTAs of 256 threads per (request, head); CTA `rank` owns the state
+rows [rank RC, (rank + 1) RC), RC = 128 / split. Every CTA of the item recomputes the
+per-token operands (convolution, norms, pair products); the gate projection is shared
+instead (each CTA projects its channel share and pushes the decays to its peers over
+distributed shared memory), and so are the gated RMSNorm's sums of squares. Before
+`griddepcontrol.wait` the kernel reads only the weights (no earlier op of a program can
+be writing them); a stacked call's layer index, which one may be, is read there too but
+only to aim the weights' loads, and checked after the wait.
 """
 from __future__ import annotations
 
+import collections
+import enum
 import math
+from typing import NamedTuple
 
 import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
 from cutlass import BFloat16, Float32, Int32, Int64
 
-from jax_kda.config import K
-from jax_kda.layer import NORM_EPS
+from jax_kda import operands
+from jax_kda.config import K, NORM_EPS, SOLO_SHARED, KdaConfig
+from jax_kda.pytrees import AWAITING
 from jax_kda.kernels.primitives import (RN, aligned, bulk_copy, cp_async_16, decays,
-                                        divided_by_roots, exp, load_i32_pair, load_if,
+                                        divided_by_roots, exp, load_i32s, load_if,
                                         load_vec, load_words, mma_bf16, prefetch_line_l2,
                                         push_f32, round_bf16, sigmoids, silus_bf16,
                                         store_f32x4_if, transpose_sum, tree_sum,
                                         warp_totals, wide)
 
 THREADS = 256
-SOLO_SHARED = 120 * 1024  # over half an SM's 228 KB: a solo CTA shares its SM with none
 CROWDED_CTAS_PER_SM = 8  # above it (at T <= 4) the state is requested with the operands
-PHASES = 13  # timeline stamps per CTA (see `stamp`)
-STAMPS = 16
+STAMPS = 16  # int64 per CTA in the timeline build: SM id, two global times, Phase clocks
+
+
+class Phase(enum.IntEnum):
+    """The points of a CTA's life that the timeline build stamps (`FusedVerify.stamp`)."""
+
+    START = 0
+    WEIGHTS_ISSUED = 1
+    WAITED = 2  # griddepcontrol.wait returned
+    READS_ISSUED = 3
+    GATES_PROJECTED = 4
+    OPERANDS_ARRIVED = 5
+    CONVOLVED = 6  # and the records loaded
+    CLUSTER_SYNCED = 7
+    VECTORS_READY = 8  # records and window written, token and replay vectors
+    STATE_ARRIVED = 9
+    STATE_PASSED = 10
+    SOLVED = 11
+    NORMED = 12
+
+
+# The kernel's view of its operands (the table's order), and the timeline build's stamps.
+Pointers = collections.namedtuple("Pointers", operands.NAMES + ("timeline",))
+
+
+class Weights(NamedTuple):
+    """A thread's share of the weights, in registers: conv taps and bias of its channel
+    (q and k, or v), the dt_bias and f_b mma fragments of its projection block, and
+    (exp input a_log, its channel's dt_bias, its row's norm weight) in `scalars`."""
+
+    taps: object
+    bias: object
+    dt_gate: object
+    fb_words: object
+    scalars: object
+
+
+Shared = collections.namedtuple("Shared", (
+    "staged", "window_in", "x_in", "records_in", "xvec", "dots", "gate_in", "kp",
+    "old_decays", "decay_n", "old_u", "decays", "raw_gates", "values_v", "norm_sums",
+    "old_sums", "pairs", "pair_sums", "betas", "out_sums", "received", "exchange",
+    "state_arrived", "gates_arrived"))
+
+
+class Item(NamedTuple):
+    """The (request, head) a CTA verifies: its slot and record row, whether it is a real
+    request (`live`) and keeps records, and its layer's operands (`ptr`)."""
+
+    slot: object
+    rec: object
+    live: object
+    has_records: object
+    ptr: object
 
 
 def pair_index(T, t, s, kind):
@@ -88,26 +119,28 @@ def carve(base, buffers):
 
 
 class FusedVerify:
-    """The kernel for one static configuration; `__call__` launches it on a stream.
+    """The kernel of one configuration; `__call__` launches it on a stream.
 
-    heads, tokens, record_tokens: H, T, RQ. gate_mode: the gate projection's FP32 chain
-    order. has_bias: whether conv_bias is given. split: CTAs per (request, head).
-    lower_bound, scale, eps: the layer's scalars, compiled in. timeline: the diagnostic
-    build (`stamp`; tests/gpu_timeline.py), whose `__call__` takes one more operand, a
-    [CTAs, STAMPS] int64 tensor. solo: each CTA asks for SOLO_SHARED bytes of shared
-    memory, so that no other CTA shares its SM (jax_kda.ffi.solo_ctas says where).
+    config: the `KdaConfig` (its split resolved). split: CTAs per (request, head).
+    has_bias: whether conv_bias is given. timeline: the diagnostic build that stamps
+    each CTA's phases (`stamp`, `Phase`) into one more operand, a [CTAs, STAMPS] int64
+    tensor. solo: each CTA asks for SOLO_SHARED bytes of shared memory, so that no other
+    CTA shares its SM (`jax_kda.ffi.solo_ctas` says where). stacked: params and cache
+    carry a leading layer axis and the `layer` operand says which layer to run.
     """
 
-    def __init__(self, heads, tokens, record_tokens, gate_mode, has_bias, split,
-                 lower_bound, scale, eps, timeline=False, solo=False):
-        self.timeline, self.solo = timeline, solo
-        self.heads, self.tokens, self.record_tokens = heads, tokens, record_tokens
-        self.gate_mode, self.has_bias, self.split = gate_mode, has_bias, split
-        self.lower_bound, self.scale, self.eps = lower_bound, scale, eps
+    def __init__(self, config: KdaConfig, split: int, has_bias: bool, *, timeline=False,
+                 solo=False, stacked=False):
+        self.config, self.split, self.has_bias = config, split, has_bias
+        self.timeline, self.solo, self.stacked = timeline, solo, stacked
+        self.heads, self.tokens, self.record_tokens = config.heads, config.tokens, config.rq
+        self.gate_mode, self.lower_bound = config.gate_mode, config.lower_bound
+        self.scale, self.eps = config.query_scale, config.eps
+        self.sizes = operands.sizes_of(config, None, None, None)
         self.rows = K // split  # RC: state rows per CTA
         # RPT: 4 rows per thread where the 2T x 4 dot accumulators fit the registers
         # (T <= 5), else 2; at most 32 threads per row (splits >= 4)
-        self.rows_per_thread = min(4 if 2 * tokens * 4 <= 40 else 2,
+        self.rows_per_thread = min(4 if 2 * self.tokens * 4 <= 40 else 2,
                                    self.rows * 32 // THREADS)
         self.lanes = THREADS * self.rows_per_thread // self.rows  # threads per row
         self.chunks = K // (4 * self.lanes)  # KCH: 4-key chunks per thread and row
@@ -117,10 +150,10 @@ class FusedVerify:
         return (self.rows, K)
 
     def early_buffers(self):
-        """Staged operands read before the state pass: the window [3, K, RQ + 2], the
-        inputs x [T, 3, K] and the records [RQ, 2, K]."""
-        T, RQ = self.tokens, self.record_tokens
-        return [(BFloat16, (3, K, RQ + 2)), (BFloat16, (T, 3, K)), (BFloat16, (RQ, 2, K))]
+        """Staged operands read before the state pass: the window [3, K, W], the inputs
+        x [T, 3, K] and the records [RQ, 2, K]."""
+        T, RQ, W = self.tokens, self.record_tokens, self.config.window
+        return [(BFloat16, (3, K, W)), (BFloat16, (T, 3, K)), (BFloat16, (RQ, 2, K))]
 
     def late_buffers(self):
         """Written from the state pass on: Gamma k and Gamma q [2T, K] and the rows' dots
@@ -143,250 +176,342 @@ class FusedVerify:
                 "betas": (Float32, (T,)), "out_sums": (Float32, (T, 4)),
                 "received": (Float32, (self.split, T))}
 
+    BARRIERS = ("exchange", "state_arrived", "gates_arrived")  # one mbarrier each
+
     def shared_bytes(self):
         """Dynamic shared memory per CTA (an upper bound: every alignment padded)."""
         staged = footprint([(Float32, self.staged_shape())])
         return (staged + 128 + self.scratch_bytes() + 128
-                + footprint(self.shared_buffers().values()) + 16 + 3 * 8)
+                + footprint(self.shared_buffers().values()) + 16 + 8 * len(self.BARRIERS))
+
+    def offset(self, name, *index):
+        """Element offset (Int64) of operand `name` at `index` (the leading indices; the
+        rest are 0), row-major by the operand table's sizes: every address the kernel
+        computes is one of these."""
+        dims = [self.sizes[d] if isinstance(d, str) else d
+                for d in next(op for op in operands.OPERANDS if op.name == name).dims]
+        total = wide(index[0])
+        for size, i in zip(dims[1:], index[1:]):
+            total = total * size + i
+        return total * math.prod(dims[len(index):])
 
     @cute.jit
-    def __call__(self, stream: cuda.CUstream, x: cute.Tensor, f_a: cute.Tensor,
-                 beta: cute.Tensor, gate: cute.Tensor, slots: cute.Tensor,
-                 record_rows: cute.Tensor, conv_weight: cute.Tensor, conv_bias,
-                 a_log: cute.Tensor, dt_bias: cute.Tensor, f_b: cute.Tensor,
-                 norm_weight: cute.Tensor, state: cute.Tensor, conv: cute.Tensor,
-                 corrections: cute.Tensor, key_gates: cute.Tensor, pending: cute.Tensor,
-                 out: cute.Tensor, timeline=None):
-        if cutlass.const_expr(conv_bias is None):
-            conv_bias = conv_weight  # never read: has_bias is False
-        if cutlass.const_expr(timeline is None):
-            timeline = out  # never written: self.timeline is False
+    def __call__(self, stream: cuda.CUstream, *tensors):
+        """Launches the grid (split, H, B) on `stream`; tensors: the operand table's,
+        in its order (None for an absent conv_bias or layer), then the timeline
+        build's stamps."""
+        named = dict(zip(operands.NAMES + ("timeline",), tensors))
+        lead = 1 if self.stacked else 0
+        num_slots, num_records = named["state"].shape[lead], named["pending"].shape[lead]
+        num_layers = named["state"].shape[0] if self.stacked else 1
+        stand_in = {"conv_bias": "conv_weight", "layer": "slots", "timeline": "out"}
+        ptr = Pointers(*[(named[n] if named.get(n) is not None else named[stand_in[n]]
+                          ).iterator for n in Pointers._fields])  # stand-ins never read
         cluster = (self.split, 1, 1) if self.split > 1 else None
-        self.kernel(x.iterator, f_a.iterator, beta.iterator, gate.iterator, slots.iterator,
-                    record_rows.iterator, conv_weight.iterator, conv_bias.iterator,
-                    a_log.iterator, dt_bias.iterator, f_b.iterator, norm_weight.iterator,
-                    state.iterator, conv.iterator, corrections.iterator, key_gates.iterator,
-                    pending.iterator, out.iterator, timeline.iterator, Int32(state.shape[0]),
-                    Int32(pending.shape[0])).launch(
-            grid=(self.split, self.heads, slots.shape[0]), block=(THREADS, 1, 1),
+        self.kernel(ptr, Int32(num_slots), Int32(num_records), Int32(num_layers)).launch(
+            grid=(self.split, self.heads, named["slots"].shape[0]), block=(THREADS, 1, 1),
             cluster=cluster, stream=stream, use_pdl=True, min_blocks_per_mp=2,
             smem=max(self.shared_bytes(), SOLO_SHARED) if self.solo else None,
             preferred_smem_carveout=100)
 
     @cute.kernel
-    def kernel(self, x, f_a, beta, gate, slots, record_rows, conv_weight, conv_bias,
-               a_log, dt_bias, f_b, norm_weight, state, conv, corrections, key_gates,
-               pending, out, timeline, num_slots: Int32, num_records: Int32):
-        T: cutlass.Constexpr = self.tokens
-        RQ: cutlass.Constexpr = self.record_tokens
-        H: cutlass.Constexpr = self.heads
-        SPLIT: cutlass.Constexpr = self.split
-        RC: cutlass.Constexpr = self.rows
-        NP: cutlass.Constexpr = T * T
+    def kernel(self, ptr: Pointers, num_slots: Int32, num_records: Int32, num_layers: Int32):
         tid, _, _ = cute.arch.thread_idx()
         rank, head, request = cute.arch.block_idx()
-        section = tid // K  # 0: the q and k channels, 1: v and the replay operands
-        row0 = rank * RC
-
-        smem = cutlass.memory.SmemAllocator()
-        staged = smem.allocate_tensor(Float32, row_major(*self.staged_shape()),
-                                      byte_alignment=128)
-        # The item's small operands, staged by cp.async and read before the state pass,
-        # share their bytes with the state pass's vectors and the rows' dots.
-        scratch = smem.allocate(self.scratch_bytes(), byte_alignment=128)
-        window_in, x_in, records_in = carve(scratch, self.early_buffers())
-        xvec, dots = carve(scratch, self.late_buffers())
-        (gate_in, kp, old_decays, decay_n, old_u, decays, raw_gates, values_v, norm_sums,
-         old_sums, pairs, pair_sums, betas, out_sums, received) = [
-            smem.allocate_tensor(dtype, row_major(*shape), byte_alignment=16)
-            for dtype, shape in self.shared_buffers().values()]
-        exchange = smem.allocate_array(Int64, 1, byte_alignment=8)
-        state_arrived = smem.allocate_array(Int64, 1, byte_alignment=8)
-        gates_arrived = smem.allocate_array(Int64, 1, byte_alignment=8)
-        self.stamp(timeline, 0, tid)
-        # f_b is read once per cluster: the last 8 / split warps of CTA `rank` project the
-        # 16-feature blocks of its channel share (rank 8 / split + [0, 8 / split)) and
-        # push the decays to every CTA of the item (gate_projection). The last warps:
-        # section 1's convolution is the lighter one.
-        PW: cutlass.Constexpr = 8 // SPLIT
-        block = tid // 32 - (8 - PW) + rank * PW
-        projecting = True if SPLIT == 1 else tid // 32 >= 8 - PW
-        if cutlass.const_expr(SPLIT > 1):
-            if tid == 0:
-                cute.arch.mbarrier_init(gates_arrived, 1)
-                cute.arch.mbarrier_init_fence()
-                cute.arch.mbarrier_arrive_and_expect_tx(gates_arrived, T * K * 4)
-            # waited on before the pushes: the peers' barriers are armed by then
-            cute.arch.cluster_arrive_relaxed()
-
-        # The weights: the only operands no earlier op of the program can be writing.
-        taps, bias, dt_gate, fb_words, a_log_h, dt_channel, nw = self.load_weights(
-            conv_weight, conv_bias, a_log, dt_bias, f_b, norm_weight, head, projecting,
-            block, tid)
-        ctas = cute.arch.grid_dim()[2] * (H * SPLIT)
+        smem = self.shared_memory()
+        self.stamp(ptr.timeline, Phase.START, tid)
+        projecting, block = self.projection_role(rank, tid)
+        if cutlass.const_expr(self.split > 1):
+            self.arm(smem.gates_arrived, self.tokens * K * 4, tid)
+            cute.arch.cluster_arrive_relaxed()  # waited on before the decays are pushed
+        guess = self.guess_layer(ptr, num_layers)
+        weights = self.load_weights(self.at_layer(ptr, guess, num_slots, num_records), head,
+                                    projecting, block, tid)
+        ctas = cute.arch.grid_dim()[2] * (self.heads * self.split)
         if 2 * ctas <= (1 if self.solo else 2) * cute.arch.nsmid():
             # The next launch's CTAs all fit beside this one's, so every CTA starts while
             # the previous launch runs and sits in griddepcontrol.wait: that time warms
             # L2 with the item's operands, which then take L2's latency, not HBM's.
-            self.prefetch(x, f_a, beta, gate, slots, record_rows, conv, corrections,
-                          key_gates, pending, num_slots, num_records, request, head, row0,
-                          tid)
-        self.stamp(timeline, 1, tid)
+            self.prefetch(self.at_layer(ptr, guess, num_slots, num_records), num_slots,
+                          num_records, request, head, rank, tid)
+        self.stamp(ptr.timeline, Phase.WEIGHTS_ISSUED, tid)
         cute.arch.griddepcontrol_wait()
-        self.stamp(timeline, 2, tid)
-
-        slot, rec = load_i32_pair(slots, request, record_rows, request)
+        self.stamp(ptr.timeline, Phase.WAITED, tid)
+        read = [(ptr.slots, request), (ptr.record_rows, request)]
+        if cutlass.const_expr(self.stacked):
+            read.append((ptr.layer, 0))
+        loaded = load_i32s(read)
+        slot, rec, layer = loaded[0], loaded[1], guess
+        if cutlass.const_expr(self.stacked):
+            layer = loaded[2]
         # While the slot is on its way: every read that does not depend on it (loaded
         # here, used only once every other read of the item is in flight).
-        activation_words = self.load_activations(f_a, request, projecting, tid)
-        beta_t = load_if(beta, wide(request * T + cutlass.min(tid, T - 1)) * H + head,
-                         tid < T)
-        self.stage(x_in, x, (wide(request) * 3 * T * H + head) * K, H * K, 3 * T, K, tid)
-        self.stage(gate_in, gate, (wide(request) * T * H + head) * K + row0, H * K, T, RC,
-                   tid)
-        live = (slot > 0) & (slot < num_slots)
-        has_records = (rec >= 0) & (rec < num_records)
-        if live:
-            pending_n = load_if(pending, rec, has_records)
-            if cutlass.const_expr(SPLIT > 1):
-                if tid == 0:
-                    cute.arch.mbarrier_init(exchange, 1)
-                    cute.arch.mbarrier_init_fence()
-                    cute.arch.mbarrier_arrive_and_expect_tx(exchange, SPLIT * T * 4)
-
-            # Every read of the item is issued here, before anything waits on one: the
-            # small operands as one cp.async group, the state rows by one bulk copy.
-            W: cutlass.Constexpr = RQ + 2
-            self.stage(window_in, conv, self.window_base(slot, 0, head, 0), H * K * W, 3,
-                       K * W, tid)
-            if has_records:
-                self.stage(old_u, corrections, (wide(rec) * H + head) * RQ * K + row0, K,
-                           RQ, RC, tid)
-                self.stage(records_in, key_gates, (wide(rec) * H + head) * RQ * 2 * K, 0, 1,
-                           RQ * 2 * K, tid)
-            cute.arch.cp_async_commit_group()
-            # The state rows go out now where the grid keeps the memory busy (T <= 4 and
-            # more than CROWDED_CTAS_PER_SM CTAs per SM: more bytes in flight), else once
-            # the small operands have landed: a small grid's CTAs start together and each
-            # one's operands would queue behind all their states, and at T > 4 the state
-            # waits for the pass anyway (tests/GPU_RESULTS.md, 2026-11-30 16:38-16:54).
-            crowded = (ctas > CROWDED_CTAS_PER_SM * cute.arch.nsmid()) & (T <= 4)
-            if tid == 0:
-                cute.arch.mbarrier_init(state_arrived, 1)
-                cute.arch.mbarrier_init_fence()
-                cute.arch.mbarrier_arrive_and_expect_tx(state_arrived, RC * K * 4)
-            if crowded:
-                # queued behind every thread's small copies rather than among them
-                cute.arch.barrier()
-                if tid == 0:
-                    self.request_state(staged, state, state_arrived, slot, head, row0)
-            self.stamp(timeline, 3, tid)
-            a_exp = exp(a_log_h)
-            if cutlass.const_expr(SPLIT > 1):
-                cute.arch.cluster_wait()
-            if projecting:
-                self.gate_projection(activation_words, fb_words, dt_gate, a_exp, decays,
-                                     raw_gates, gates_arrived, block, tid)
-            # the pending count and beta arrive behind the slot: used only now
-            n = cutlass.max(cutlass.min(pending_n, Int32(RQ)), Int32(0))
-            if tid < T:
-                betas[tid] = sigmoids([beta_t])[0]
-            self.stamp(timeline, 4, tid)
-            cute.arch.cp_async_wait_group(0)
-            cute.arch.barrier()
-            if cutlass.const_expr(SPLIT > 1):
-                # This CTA has read the old window and records, and its exchange barrier
-                # is armed; the peers wait for it only before writing the records, so the
-                # convolution hides their skew. Relaxed: the reads have completed (the
-                # copies waited on) and the barrier's init is fenced, so no release is
-                # needed, and its GPU-scope fence cost 0.3 us at B = 1. (Before the
-                # state's request: after it, the peers waited 0.7 us longer at B = 1.)
-                cute.arch.cluster_arrive_relaxed()
-            if (tid == 0) & (crowded == False):  # noqa: E712 - a device Boolean
-                self.request_state(staged, state, state_arrived, slot, head, row0)
-            self.stamp(timeline, 5, tid)
-            activations, history, inputs = self.convolve(window_in, x_in, taps, bias,
-                                                         values_v, norm_sums, n, tid)
-            self.load_records(records_in, kp, old_decays, old_sums, a_exp, dt_channel, n,
-                              tid)
-            cute.arch.griddepcontrol_launch_dependents()
-            cute.arch.barrier()
-            self.stamp(timeline, 6, tid)
-            if cutlass.const_expr(SPLIT > 1):
-                cute.arch.cluster_wait()
-            self.stamp(timeline, 7, tid)
-            # every CTA of the item computed every channel: each writes its share
-            if (tid % K) // (K // SPLIT) == rank:
-                self.write_records(key_gates, conv, activations, raw_gates, history, inputs,
-                                   rec, has_records, slot, head, tid)
-
-            if section == 0:
-                if cutlass.const_expr(SPLIT > 1):
-                    cute.arch.mbarrier_wait(gates_arrived, 0)
-                self.token_vectors(activations, norm_sums, decays, xvec, pairs, tid)
-            else:
-                self.replay_vectors(kp, old_decays, old_sums, decay_n, n, tid)
-                # The solve's output gates, here where section 1 waits for section 0
-                # rather than on the path after the state pass: into old_decays, whose
-                # column `channel` (= row) only this thread read, and for the last time.
-                row = tid - K
-                if row < RC:
-                    gates = sigmoids([Float32(gate_in[t, row]) for t in range(T)])
-                    for t in cutlass.range_constexpr(T):
-                        old_decays[t, row] = gates[t]
-            cute.arch.barrier()
-            if tid < NP:
-                pair_sums[tid] = tree_sum([pairs[tid, w] for w in range(4)])
-            self.stamp(timeline, 8, tid)
-
-            self.state_pass(state, staged, state_arrived, xvec, kp, old_u, decay_n, dots,
-                            slot, n, head, row0, timeline, tid)
-            cute.arch.barrier()
-            self.stamp(timeline, 10, tid)
-            outs, gated = self.solve_rows(corrections, dots, pair_sums, values_v, betas,
-                                          old_decays, rec, has_records, head, row0, tid)
-            self.stamp(timeline, 11, tid)
-            self.gated_norm(out, outs, gated, out_sums, received, exchange, nw, request,
-                            head, rank, row0, tid)
-            self.stamp(timeline, 12, tid)
+        activation_words = self.load_activations(ptr.f_a, request, projecting, tid)
+        beta_t = load_if(ptr.beta, self.offset("beta", request,
+                                               cutlass.min(tid, self.tokens - 1), head),
+                         tid < self.tokens)
+        self.stage_inputs(smem, ptr, request, head, rank, tid)
+        item = self.resolve(ptr, weights, guess, slot, rec, layer, num_slots, num_records,
+                            num_layers, head, projecting, block, tid)
+        if item.live:
+            self.verify_item(smem, weights, item, activation_words, beta_t, ctas, request,
+                             head, rank, projecting, block, tid)
         else:
-            if cutlass.const_expr(SPLIT > 1):
-                cute.arch.cluster_wait()  # this thread's arrival is matched
-            cute.arch.cp_async_commit_group()
-            cute.arch.cp_async_wait_group(0)  # no copy may land after the CTA is gone
-            if tid < RC:
-                for t in cutlass.range_constexpr(T):
-                    out[wide((request * T + t) * H + head) * K + row0 + tid] = BFloat16(0.0)
-            cute.arch.griddepcontrol_launch_dependents()
+            self.padding_row(ptr, request, head, rank, tid)
 
     @cute.jit
-    def load_weights(self, conv_weight, conv_bias, a_log, dt_bias, f_b, norm_weight,
-                     head, projecting, block, tid):
-        """Conv taps and bias of this thread's channel (q and k, or v), exp(a_log), the
-        dt_bias values it needs, the f_b mma fragments of feature block `block` if its warp
-        is `projecting`, its row's norm weight."""
+    def verify_item(self, smem, weights, item, activation_words, beta_t, ctas, request, head,
+                    rank, projecting, block, tid):
+        """A live item, phase by phase: every read issued at once, the gate projection
+        while they land, the per-token operands, the records and window written, the
+        state pass, the T x T solve and the gated RMSNorm."""
+        T: cutlass.Constexpr = self.tokens
+        ptr, timeline = item.ptr, item.ptr.timeline
+        pending_n = load_if(ptr.pending, self.offset("pending", item.rec, head),
+                            item.has_records)
+        crowded = self.issue_reads(smem, item, ctas, head, rank, tid)
+        self.stamp(timeline, Phase.READS_ISSUED, tid)
+        a_exp = exp(weights.scalars[0])
+        if cutlass.const_expr(self.split > 1):
+            cute.arch.cluster_wait()
+        if projecting:
+            self.gate_projection(activation_words, weights.fb_words, weights.dt_gate, a_exp,
+                                 smem.decays, smem.raw_gates, smem.gates_arrived, block, tid)
+        # the pending count and beta arrive behind the slot: used only now
+        n = cutlass.max(cutlass.min(pending_n, Int32(self.record_tokens)), Int32(0))
+        if tid < T:
+            smem.betas[tid] = sigmoids([beta_t])[0]
+        self.stamp(timeline, Phase.GATES_PROJECTED, tid)
+        self.await_operands(smem, item, crowded, head, rank, tid)
+        self.stamp(timeline, Phase.OPERANDS_ARRIVED, tid)
+        activations, history, inputs = self.convolve(smem.window_in, smem.x_in, weights.taps,
+                                                     weights.bias, smem.values_v,
+                                                     smem.norm_sums, n, tid)
+        self.load_records(smem.records_in, smem.kp, smem.old_decays, smem.old_sums, a_exp,
+                          weights.scalars[1], n, tid)
+        cute.arch.griddepcontrol_launch_dependents()
+        cute.arch.barrier()
+        self.stamp(timeline, Phase.CONVOLVED, tid)
+        if cutlass.const_expr(self.split > 1):
+            cute.arch.cluster_wait()  # every CTA of the item has read the old records
+        self.stamp(timeline, Phase.CLUSTER_SYNCED, tid)
+        self.write_records(ptr, activations, smem.raw_gates, history, inputs, item, head,
+                           rank, tid)
+        self.vectors(smem, activations, n, tid)
+        self.stamp(timeline, Phase.VECTORS_READY, tid)
+        self.state_pass(ptr.state, smem, item.slot, n, head, rank * self.rows, timeline, tid)
+        cute.arch.barrier()
+        self.stamp(timeline, Phase.STATE_PASSED, tid)
+        outs, gated = self.solve_rows(ptr.corrections, smem, item, head, rank * self.rows,
+                                      tid)
+        self.stamp(timeline, Phase.SOLVED, tid)
+        self.gated_norm(ptr.out, outs, gated, smem, weights.scalars[2], request, head, rank,
+                        tid)
+        self.stamp(timeline, Phase.NORMED, tid)
+
+    @cute.jit
+    def shared_memory(self):
+        """The CTA's shared memory, carved once: a `Shared` of every buffer and mbarrier.
+        The item's small operands, staged by cp.async and read before the state pass,
+        share their bytes with the state pass's vectors and the rows' dots."""
+        smem = cutlass.memory.SmemAllocator()
+        staged = smem.allocate_tensor(Float32, row_major(*self.staged_shape()),
+                                      byte_alignment=128)
+        scratch = smem.allocate(self.scratch_bytes(), byte_alignment=128)
+        buffers = [smem.allocate_tensor(dtype, row_major(*shape), byte_alignment=16)
+                   for dtype, shape in self.shared_buffers().values()]
+        barriers = [smem.allocate_array(Int64, 1, byte_alignment=8) for _ in self.BARRIERS]
+        return Shared(staged, *carve(scratch, self.early_buffers()),
+                      *carve(scratch, self.late_buffers()), *buffers, *barriers)
+
+    @cute.jit
+    def arm(self, barrier, tx_bytes: cutlass.Constexpr, tid):
+        """Thread 0 makes `barrier` an mbarrier of one arrival that also waits for
+        tx_bytes of copies or DSMEM pushes."""
+        if tid == 0:
+            cute.arch.mbarrier_init(barrier, 1)
+            cute.arch.mbarrier_init_fence()
+            cute.arch.mbarrier_arrive_and_expect_tx(barrier, tx_bytes)
+
+    def projection_role(self, rank, tid):
+        """(projecting, block): whether this thread's warp runs the gate projection, and
+        of which 16-feature block. f_b is read once per cluster: the last 8 / split warps
+        of CTA `rank` project the blocks rank 8 / split + [0, 8 / split) of its channel
+        share (the last warps: section 1's convolution is the lighter one)."""
+        PW = 8 // self.split
+        block = tid // 32 - (8 - PW) + rank * PW
+        projecting = True if self.split == 1 else tid // 32 >= 8 - PW
+        return projecting, block
+
+    @cute.jit
+    def guess_layer(self, ptr, num_layers):
+        """A stacked call's layer before griddepcontrol.wait, to aim the weights' loads:
+        read from L2 (an earlier op may still be writing it; `resolve` reads it again
+        after the wait), clamped into range. 0 for one layer's call."""
+        layer = Int32(0)
+        if cutlass.const_expr(self.stacked):
+            layer = load_i32s([(ptr.layer, 0)], speculative=True)[0]
+            layer = cutlass.max(cutlass.min(layer, num_layers - 1), Int32(0))
+        return layer
+
+    def at_layer(self, ptr, layer, num_slots, num_records):
+        """ptr with the stacked operands (weights and cache) moved to `layer`'s."""
+        if not self.stacked:
+            return ptr
+        runtime, moved = {"S": num_slots, "R": num_records}, {}
+        for op in operands.OPERANDS:
+            if op.stacks:
+                size = wide(layer)
+                for d in op.dims:
+                    size = size * (runtime[d] if d in runtime else self.sizes.get(d, d))
+                moved[op.name] = getattr(ptr, op.name) + size
+        return ptr._replace(**moved)
+
+    @cute.jit
+    def resolve(self, ptr, weights, guess, slot, rec, layer, num_slots, num_records,
+                num_layers, head, projecting, block, tid):
+        """The item after the wait: live where its slot (and layer) are in range, its
+        layer's operands, and its weights loaded again where the guess was stale."""
+        live = (slot > 0) & (slot < num_slots)
+        if cutlass.const_expr(self.stacked):
+            in_range = (layer >= 0) & (layer < num_layers)
+            live = live & in_range
+            ptr = self.at_layer(ptr, cutlass.max(cutlass.min(layer, num_layers - 1),
+                                                 Int32(0)), num_slots, num_records)
+            if in_range & (layer != guess):
+                self.fill_weights(weights, ptr, head, projecting, block, tid)
+        return Item(slot, rec, live, (rec >= 0) & (rec < num_records), ptr)
+
+    @cute.jit
+    def stage_inputs(self, smem, ptr, request, head, rank, tid):
+        """cp.async of the item's token inputs x and its rows' output-gate logits."""
+        T: cutlass.Constexpr = self.tokens
         H: cutlass.Constexpr = self.heads
+        self.stage(smem.x_in, ptr.x, self.offset("x", request, 0, 0, head), H * K, 3 * T, K,
+                   tid)
+        self.stage(smem.gate_in, ptr.gate, self.offset("gate", request, 0, head,
+                                                       rank * self.rows), H * K, T,
+                   self.rows, tid)
+
+    @cute.jit
+    def issue_reads(self, smem, item, ctas, head, rank, tid):
+        """Every read of the item, before anything waits on one: the window and records
+        as one cp.async group, the state rows by one bulk copy. The state goes out with
+        them where the grid keeps the memory busy (T <= 4 and more than
+        CROWDED_CTAS_PER_SM CTAs per SM: more bytes in flight), else once they have
+        landed (`await_operands`): a small grid's CTAs start together and each one's
+        operands would queue behind all their states. Returns whether it is crowded."""
+        T: cutlass.Constexpr = self.tokens
+        H: cutlass.Constexpr = self.heads
+        RQ: cutlass.Constexpr = self.record_tokens
+        RC: cutlass.Constexpr = self.rows
+        W: cutlass.Constexpr = self.config.window
+        ptr = item.ptr
+        if cutlass.const_expr(self.split > 1):
+            self.arm(smem.exchange, self.split * T * 4, tid)
+        self.stage(smem.window_in, ptr.conv, self.offset("conv", item.slot, 0, head),
+                   H * K * W, 3, K * W, tid)
+        if item.has_records:
+            self.stage(smem.old_u, ptr.corrections,
+                       self.offset("corrections", item.rec, head, 0, rank * RC), K, RQ, RC,
+                       tid)
+            self.stage(smem.records_in, ptr.key_gates, self.offset("key_gates", item.rec, head),
+                       0, 1, RQ * 2 * K, tid)
+        cute.arch.cp_async_commit_group()
+        crowded = (ctas > CROWDED_CTAS_PER_SM * cute.arch.nsmid()) & (T <= 4)
+        self.arm(smem.state_arrived, RC * K * 4, tid)
+        if crowded:
+            cute.arch.barrier()  # queued behind every thread's small copies, not among them
+            if tid == 0:
+                self.request_state(smem, ptr.state, item.slot, head, rank)
+        return crowded
+
+    @cute.jit
+    def await_operands(self, smem, item, crowded, head, rank, tid):
+        """The window and records landed; then the state's request where the grid is not
+        crowded. The cluster arrival says this CTA has read the old window and records
+        and armed its exchange barrier; the peers wait for it only before writing the
+        records, so the convolution hides their skew. Relaxed: the copies are waited on
+        and the barriers' inits fenced, and a release fence would cost more."""
+        cute.arch.cp_async_wait_group(0)
+        cute.arch.barrier()
+        if cutlass.const_expr(self.split > 1):
+            cute.arch.cluster_arrive_relaxed()
+        if (tid == 0) & (crowded == False):  # noqa: E712 - a device Boolean
+            self.request_state(smem, item.ptr.state, item.slot, head, rank)
+
+    @cute.jit
+    def padding_row(self, ptr, request, head, rank, tid):
+        """A padding row: zero outputs, nothing else touched."""
+        if cutlass.const_expr(self.split > 1):
+            cute.arch.cluster_wait()  # this thread's arrival is matched
+        cute.arch.cp_async_commit_group()
+        cute.arch.cp_async_wait_group(0)  # no copy may land after the CTA is gone
+        if tid < self.rows:
+            for t in cutlass.range_constexpr(self.tokens):
+                ptr.out[self.offset("out", request, t, head, rank * self.rows + tid)] = \
+                    BFloat16(0.0)
+        cute.arch.griddepcontrol_launch_dependents()
+
+    @cute.jit
+    def vectors(self, smem, activations, n, tid):
+        """Section 0: the token vectors and pair products, once the peers' decays are in;
+        section 1: the replay vectors and, here where it waits for section 0 anyway, the
+        solve's output gates into old_decays (its column `channel` = row only this thread
+        read, and for the last time). Then the pair sums."""
+        T: cutlass.Constexpr = self.tokens
+        if tid // K == 0:
+            if cutlass.const_expr(self.split > 1):
+                cute.arch.mbarrier_wait(smem.gates_arrived, 0)
+            self.token_vectors(activations, smem.norm_sums, smem.decays, smem.xvec,
+                               smem.pairs, tid)
+        else:
+            self.replay_vectors(smem.kp, smem.old_decays, smem.old_sums, smem.decay_n, n, tid)
+            row = tid - K
+            if row < self.rows:
+                gates = sigmoids([Float32(smem.gate_in[t, row]) for t in range(T)])
+                for t in cutlass.range_constexpr(T):
+                    smem.old_decays[t, row] = gates[t]
+        cute.arch.barrier()
+        if tid < T * T:
+            smem.pair_sums[tid] = tree_sum([smem.pairs[tid, w] for w in range(4)])
+
+    @cute.jit
+    def load_weights(self, ptr, head, projecting, block, tid):
+        """A thread's `Weights`, in registers."""
+        weights = Weights(cute.make_rmem_tensor((2, 4), Float32),
+                          cute.make_rmem_tensor(2, Float32),
+                          cute.make_rmem_tensor(2, Float32),
+                          cute.make_rmem_tensor((8, 4), cutlass.Uint32),
+                          cute.make_rmem_tensor(3, Float32))
+        self.fill_weights(weights, ptr, head, projecting, block, tid)
+        return weights
+
+    @cute.jit
+    def fill_weights(self, weights, ptr, head, projecting, block, tid):
+        """Loads `weights`: conv taps and bias of this thread's channel (q and k, or v),
+        a_log, the dt_bias values it needs, the f_b mma fragments of feature block
+        `block` if its warp is `projecting`, its row's norm weight."""
         channel, section = tid % K, tid // K
-        taps = cute.make_rmem_tensor((2, 4), Float32)
-        bias = cute.make_rmem_tensor(2, Float32)
-        bias.fill(0.0)
+        weights.bias.fill(0.0)
         for s in cutlass.range_constexpr(2):
             part = 2 * section + s  # 0 q, 1 k, 2 v (s = 1 unused in section 1)
             if (section == 0) | (s == 0):
                 for i in cutlass.range_constexpr(4):
-                    taps[s, i] = Float32(conv_weight[((part * 4 + i) * H + head) * K + channel])
+                    weights.taps[s, i] = Float32(
+                        ptr.conv_weight[self.offset("conv_weight", part, i, head, channel)])
                 if cutlass.const_expr(self.has_bias):
-                    bias[s] = Float32(conv_bias[(part * H + head) * K + channel])
-        a_log_h = Float32(a_log[head])
-        dt_channel = Float32(dt_bias[head * K + channel])
-        dt_gate = cute.make_rmem_tensor(2, Float32)
-        fb_words = cute.make_rmem_tensor((8, 4), cutlass.Uint32)
+                    weights.bias[s] = Float32(
+                        ptr.conv_bias[self.offset("conv_bias", part, head, channel)])
+        weights.scalars[0] = Float32(ptr.a_log[head])
+        weights.scalars[1] = Float32(ptr.dt_bias[self.offset("dt_bias", head, channel)])
         if projecting:
-            self.load_projection(dt_bias, f_b, head, dt_gate, fb_words, block, tid)
-        nw = Float32(0.0)
+            self.load_projection(ptr.dt_bias, ptr.f_b, head, weights.dt_gate,
+                                 weights.fb_words, block, tid)
+        weights.scalars[2] = Float32(0.0)
         if tid < self.rows:
-            nw = Float32(norm_weight[cute.arch.block_idx()[0] * self.rows + tid])
-        return taps, bias, dt_gate, fb_words, a_log_h, dt_channel, nw
+            weights.scalars[2] = Float32(
+                ptr.norm_weight[cute.arch.block_idx()[0] * self.rows + tid])
 
     @cute.jit
     def load_projection(self, dt_bias, f_b, head, dt_gate, fb_words, block, tid):
@@ -395,7 +520,8 @@ class FusedVerify:
         lane = tid % 32
         group, quarter = lane // 4, lane % 4
         for i in cutlass.range_constexpr(2):
-            dt_gate[i] = Float32(dt_bias[head * K + 16 * block + group + 8 * i])
+            dt_gate[i] = Float32(dt_bias[self.offset("dt_bias", head,
+                                                     16 * block + group + 8 * i)])
         # A fragments of m16n8k16: features 16 block + group (+ 8) in registers 0, 2 (1, 3).
         # The k order is permuted (as the activations' is) so that a thread's ranks of
         # two chunks are 8 contiguous ones, one 16-byte load: chunk 2 p + j holds ranks
@@ -403,47 +529,50 @@ class FusedVerify:
         # (gate_mode 1).
         for pair in cutlass.range_constexpr(4):
             for i in cutlass.range_constexpr(2):
-                feature = head * K + 16 * block + group + 8 * i
-                words = load_words(f_b, wide(feature) * K + 32 * pair + 8 * quarter, 4)
+                feature = 16 * block + group + 8 * i
+                words = load_words(f_b, self.offset("f_b", head, feature,
+                                                    32 * pair + 8 * quarter), 4)
                 for j in cutlass.range_constexpr(2):
                     fb_words[2 * pair + j, i] = words[2 * j]
                     fb_words[2 * pair + j, 2 + i] = words[2 * j + 1]
 
     @cute.jit
-    def prefetch(self, x, f_a, beta, gate, slots, record_rows, conv, corrections, key_gates,
-                 pending, num_slots, num_records, request, head, row0, tid):
+    def prefetch(self, ptr, num_slots, num_records, request, head, rank, tid):
         """L2 prefetches of the item's small reads, before griddepcontrol.wait, one line a
         lane (`prefetch_rows`): warps 0 and 1 the inputs; warp 2, the one warp that waits
         for a read here, the slot and record row, only to aim the prefetches of the window
         and records (a stale or out-of-range value costs a useless prefetch, never a wrong
         or stray read). Not the state rows: their copy goes out early enough to land
-        before the state pass anyway, and their 32 KB a CTA made a launch that does not
-        overlap its predecessor (under XLA) 4% longer (benchmarks/NOTES.md, change 22)."""
+        before the state pass, and their bytes slow a launch that does not overlap its
+        predecessor (docs/performance.md)."""
         T: cutlass.Constexpr = self.tokens
         H: cutlass.Constexpr = self.heads
         RQ: cutlass.Constexpr = self.record_tokens
-        W: cutlass.Constexpr = RQ + 2
+        W: cutlass.Constexpr = self.config.window
         lane, warp = tid % 32, tid // 32
         if warp == 0:  # x [request, t, part, head]: 3 T rows of K
-            self.prefetch_rows(x, (wide(request) * 3 * T * H + head) * K, H * K, 3 * T, K,
+            self.prefetch_rows(ptr.x, self.offset("x", request, 0, 0, head), H * K, 3 * T, K,
                                lane)
         if warp == 1:  # gate [request, t, head, this CTA's rows], f_a [request], beta
-            self.prefetch_rows(gate, (wide(request) * T * H + head) * K + row0, H * K, T,
+            self.prefetch_rows(ptr.gate, self.offset("gate", request, 0, head,
+                                                     rank * self.rows), H * K, T,
                                self.rows, lane)
-            self.prefetch_rows(f_a, wide(request) * T * K, 0, 1, T * K, lane)
-            self.prefetch_rows(beta, wide(request) * T * H + head, H, T, 1, lane)
+            self.prefetch_rows(ptr.f_a, self.offset("f_a", request), 0, 1, T * K, lane)
+            self.prefetch_rows(ptr.beta, self.offset("beta", request, 0, head), H, T, 1,
+                               lane)
         if warp == 2:
-            slot, rec = load_i32_pair(slots, request, record_rows, request, speculative=True)
+            slot, rec = load_i32s([(ptr.slots, request), (ptr.record_rows, request)],
+                                  speculative=True)
             if (slot > 0) & (slot < num_slots):
-                self.prefetch_rows(conv, self.window_base(slot, 0, head, 0), H * K * W, 3,
+                self.prefetch_rows(ptr.conv, self.offset("conv", slot, 0, head), H * K * W, 3,
                                    K * W, lane)
             if (rec >= 0) & (rec < num_records):
-                self.prefetch_rows(corrections, (wide(rec) * H + head) * RQ * K, 0, 1,
-                                   RQ * K, lane)
-                self.prefetch_rows(key_gates, (wide(rec) * H + head) * RQ * 2 * K, 0, 1,
+                self.prefetch_rows(ptr.corrections, self.offset("corrections", rec, head), 0,
+                                   1, RQ * K, lane)
+                self.prefetch_rows(ptr.key_gates, self.offset("key_gates", rec, head), 0, 1,
                                    RQ * 2 * K, lane)
                 if lane == 0:
-                    prefetch_line_l2(pending + rec)
+                    prefetch_line_l2(ptr.pending + self.offset("pending", rec, head))
 
     @cute.jit
     def prefetch_rows(self, src, base, stride, rows: cutlass.Constexpr,
@@ -460,26 +589,26 @@ class FusedVerify:
                                         + (i % lines) * per_line))
 
     @cute.jit
-    def request_state(self, staged, state, state_arrived, slot, head, row0):
-        """This CTA's state rows (contiguous) into `staged` by one bulk copy."""
-        H: cutlass.Constexpr = self.heads
-        bulk_copy(staged.iterator, aligned(state, ((wide(slot) * H + head) * K + row0) * K, 16),
-                  self.rows * K * 4, state_arrived)
+    def request_state(self, smem, state, slot, head, rank):
+        """This CTA's state rows (contiguous) into smem.staged by one bulk copy."""
+        bulk_copy(smem.staged.iterator,
+                  aligned(state, self.offset("state", slot, head, rank * self.rows), 16),
+                  self.rows * K * 4, smem.state_arrived)
 
     @cute.jit
-    def stamp(self, timeline, index: cutlass.Constexpr, tid):
-        """Diagnostics (timeline=True): thread 0 writes the SM clock at phase `index` of
-        its CTA into timeline [CTAs, STAMPS] int64, after the SM id and the global timer
-        at phase 0, the global timer again at the last phase."""
+    def stamp(self, timeline, phase: cutlass.Constexpr, tid):
+        """Diagnostics (timeline=True): thread 0 writes the SM clock at `phase` of its CTA
+        into timeline [CTAs, STAMPS] int64, after the SM id and the global timer at the
+        start, the global timer again at the end."""
         if cutlass.const_expr(self.timeline):
             if tid == 0:
                 rank, head, request = cute.arch.block_idx()
                 row = wide((request * self.heads + head) * self.split + rank) * STAMPS
-                if cutlass.const_expr(index == 0):
+                if cutlass.const_expr(phase == Phase.START):
                     timeline[row] = Int64(cute.arch.smid())
                     timeline[row + 1] = cute.arch.globaltimer()
-                timeline[row + 3 + index] = cute.arch.clock64()
-                if cutlass.const_expr(index == PHASES - 1):
+                timeline[row + 3 + int(phase)] = cute.arch.clock64()
+                if cutlass.const_expr(phase == Phase.NORMED):
                     timeline[row + 2] = cute.arch.globaltimer()
 
     @cute.jit
@@ -498,24 +627,17 @@ class FusedVerify:
                             aligned(src, base + r * stride + j * per, 16))
 
     @cute.jit
-    def window_base(self, slot, part, head, channel):
-        """Offset of window[slot, part, head, channel, 0]."""
-        W: cutlass.Constexpr = self.record_tokens + 2
-        return (((wide(slot) * 3 + part) * self.heads + head) * K + channel) * W
-
-    @cute.jit
     def convolve(self, window_in, x_in, taps, bias, values_v, norm_sums, n, tid):
         """The short convolution and SiLU of this thread's channel: q and k (section 0,
         rows 0 and 1; sums of squares per warp into norm_sums) or v (section 1, row 0;
         into values_v), from the staged window (whole: staged before n was known) and
-        inputs. The history is window[o .. o+2], o = max(n - 1, 0). Returns the
-        activations, the history's last two values and the raw inputs (the new window)."""
+        inputs. The history is window[n .. n+2]. Returns the activations, the history
+        and the raw inputs (together the new window)."""
         T: cutlass.Constexpr = self.tokens
         channel, section = tid % K, tid // K
         lane, warp = tid % 32, tid // 32
-        offset = cutlass.max(n - 1, Int32(0))
         activations = cute.make_rmem_tensor((2, T), Float32)
-        history = cute.make_rmem_tensor((2, 2), Float32)
+        history = cute.make_rmem_tensor((2, 3), Float32)
         inputs = cute.make_rmem_tensor((2, T), Float32)
         activations.fill(0.0)
         history.fill(0.0)
@@ -525,12 +647,12 @@ class FusedVerify:
             if (section == 0) | (s == 0):
                 seq = cute.make_rmem_tensor(T + 3, Float32)
                 for i in cutlass.range_constexpr(3):
-                    seq[i] = Float32(window_in[part, channel, offset + i])
+                    seq[i] = Float32(window_in[part, channel, n + i])
                 for t in cutlass.range_constexpr(T):
                     inputs[s, t] = Float32(x_in[t, part, channel])
                     seq[3 + t] = inputs[s, t]
-                for i in cutlass.range_constexpr(2):
-                    history[s, i] = seq[1 + i]
+                for i in cutlass.range_constexpr(3):
+                    history[s, i] = seq[i]
                 for t in cutlass.range_constexpr(T):
                     y = bias[s]
                     for i in cutlass.range_constexpr(4):  # rounded products, as the stock loop
@@ -591,7 +713,7 @@ class FusedVerify:
         T: cutlass.Constexpr = self.tokens
         lane = tid % 32
         group, quarter = lane // 4, lane % 4
-        token_row = wide(request * T + group % T) * K
+        token_row = self.offset("f_a", request, group % T)
         fragments = cute.make_rmem_tensor((8, 2), cutlass.Uint32)
         if projecting:
             for pair in cutlass.range_constexpr(4):
@@ -717,23 +839,26 @@ class FusedVerify:
         decay_n[channel] = suffix
 
     @cute.jit
-    def state_pass(self, state, staged, state_arrived, xvec, kp, old_u, decay_n, dots,
-                   slot, n, head, row0, timeline, tid):
+    def state_pass(self, state, smem, slot, n, head, row0, timeline, tid):
         """Per 4-key chunk of this thread's rows: S_n = S_0 D_n + sum_t u_t (kn_t P_t),
         written back if n > 0, and the 2T dot products with Gamma k and Gamma q; the
         LANES partial dots of a row are then summed into dots[row]."""
         T: cutlass.Constexpr = self.tokens
-        H: cutlass.Constexpr = self.heads
         RPT: cutlass.Constexpr = self.rows_per_thread
         LANES: cutlass.Constexpr = self.lanes
         RC: cutlass.Constexpr = self.rows
-        base = (wide(slot) * H + head) * K + row0
+        staged, xvec, kp, old_u = smem.staged, smem.xvec, smem.kp, smem.old_u
+        decay_n, dots = smem.decay_n, smem.dots
+        base = self.offset("state", slot, head, row0)
+        # where 2T x RPT accumulators fill the registers (T = 5), the rows are loaded
+        # after the replay's sums, not before: fewer values live across that loop
+        late_rows: cutlass.Constexpr = RPT * 2 * T > 32
         lane_in, row_in = tid % LANES, tid // LANES
         first_row = row_in * RPT  # of this CTA's rows: one vector load of old_u each t
         acc = cute.make_rmem_tensor((RPT, 2 * T), Float32)
         acc.fill(0.0)
-        cute.arch.mbarrier_wait(state_arrived, 0)
-        self.stamp(timeline, 9, tid)
+        cute.arch.mbarrier_wait(smem.state_arrived, 0)
+        self.stamp(timeline, Phase.STATE_ARRIVED, tid)
         for c in cutlass.range_constexpr(self.chunks):
             order = c
             if cutlass.const_expr(LANES < 8):
@@ -744,10 +869,8 @@ class FusedVerify:
             key = 4 * (lane_in + LANES * order)
             rows = cute.make_rmem_tensor((RPT, 4), Float32)
             replayed = cute.make_rmem_tensor((RPT, 4), Float32)
-            for r in cutlass.range_constexpr(RPT):
-                v = load_vec(staged.iterator, (first_row + r) * K + key, 4)
-                for e in cutlass.range_constexpr(4):
-                    rows[r, e] = v[e]
+            if cutlass.const_expr(not late_rows):
+                self.load_rows(rows, staged, first_row, key)
             if n > 0:  # token 0's products start the sums: no zeroed accumulators
                 k4 = load_vec(kp.iterator, key, 4)
                 u = load_vec(old_u.iterator, first_row, RPT)
@@ -762,11 +885,13 @@ class FusedVerify:
                 for r in cutlass.range_constexpr(RPT):
                     for e in cutlass.range_constexpr(4):
                         replayed[r, e] = cute.math.fma(u[r], k4[e], replayed[r, e])
+            if cutlass.const_expr(late_rows):
+                self.load_rows(rows, staged, first_row, key)
             d4 = load_vec(decay_n.iterator, key, 4)
             for r in cutlass.range_constexpr(RPT):
                 for e in cutlass.range_constexpr(4):
                     rows[r, e] = cute.math.fma(rows[r, e], d4[e], replayed[r, e])
-                target = aligned(state, (base + first_row + r) * K + key, 16)
+                target = aligned(state, base + (first_row + r) * K + key, 16)
                 store_f32x4_if(target, [rows[r, e] for e in range(4)], n > 0)
             for j in cutlass.range_constexpr(2 * T):
                 x4 = load_vec(xvec.iterator, j * K + key, 4)
@@ -785,13 +910,22 @@ class FusedVerify:
                 dots[first_row + index // (2 * T), index % (2 * T)] = totals[i]
 
     @cute.jit
-    def solve_rows(self, corrections, dots, pair_sums, values_v, betas, output_gates, rec,
-                   has_records, head, row0, tid):
+    def load_rows(self, rows, staged, first_row, key):
+        """rows [RPT, 4] := the staged state rows first_row + r at keys key .. key + 3."""
+        for r in cutlass.range_constexpr(self.rows_per_thread):
+            v = load_vec(staged.iterator, (first_row + r) * K + key, 4)
+            for e in cutlass.range_constexpr(4):
+                rows[r, e] = v[e]
+
+    @cute.jit
+    def solve_rows(self, corrections, smem, item, head, row0, tid):
         """Per state row (thread < RC): the T x T forward substitution for u_t, u_t into
         the records; returns the outputs o_t (bf16) and the output gates sigmoid(gate_t)
-        of the row, taken from output_gates [T, RC] (zeros in the other threads)."""
+        of the row, which `vectors` left in old_decays [T, RC] (zeros in the other
+        threads)."""
         T: cutlass.Constexpr = self.tokens
-        H: cutlass.Constexpr = self.heads
+        dots, pair_sums, values_v = smem.dots, smem.pair_sums, smem.values_v
+        betas, output_gates = smem.betas, smem.old_decays
         outs = cute.make_rmem_tensor(T, Float32)
         outs.fill(0.0)
         gated = cute.make_rmem_tensor(T, Float32)
@@ -806,9 +940,8 @@ class FusedVerify:
                 for s in cutlass.range_constexpr(t):
                     total = cute.math.fma(pair_sums[pair_index(T, t, s, "A")], us[s], total)
                 us[t] = (values_v[t, row] - total) * betas[t]
-                if has_records:
-                    corrections[((wide(rec) * H + head) * self.record_tokens + t) * K
-                                + row] = us[t]
+                if item.has_records:
+                    corrections[self.offset("corrections", item.rec, head, t, row)] = us[t]
             for t in cutlass.range_constexpr(T):
                 o = dots[tid, T + t]
                 for s in cutlass.range_constexpr(t + 1):
@@ -817,17 +950,16 @@ class FusedVerify:
         return outs, gated
 
     @cute.jit
-    def gated_norm(self, out, outs, gated, out_sums, received, exchange, nw, request, head,
-                   rank, row0, tid):
+    def gated_norm(self, out, outs, gated, smem, nw, request, head, rank, tid):
         """out = bf16(o rsqrt(mean(o^2) + eps) norm_weight sigmoid(gate)) over the K value
         rows, from this thread's row's outs and gated (solve_rows); the sums of squares of
         the cluster's CTAs meet in every CTA over DSMEM."""
         T: cutlass.Constexpr = self.tokens
-        H: cutlass.Constexpr = self.heads
         SPLIT: cutlass.Constexpr = self.split
         RC: cutlass.Constexpr = self.rows
         NW: cutlass.Constexpr = (RC + 31) // 32  # warps holding this CTA's rows
         lane, warp = tid % 32, tid // 32
+        out_sums, received, exchange = smem.out_sums, smem.received, smem.exchange
         if tid < NW * 32:
             total, index, holds = warp_totals([outs[t] * outs[t] for t in range(T)], lane)
             if holds:
@@ -840,7 +972,7 @@ class FusedVerify:
                     push_f32(received.iterator + rank * T + tid, local, exchange, peer)
             cute.arch.mbarrier_wait(exchange, 0)
         if tid < RC:
-            row = row0 + tid
+            row = rank * RC + tid
             means = []
             for t in cutlass.range_constexpr(T):
                 if cutlass.const_expr(SPLIT > 1):
@@ -850,29 +982,32 @@ class FusedVerify:
                 means.append(sumsq / K + self.eps)
             rstd = divided_by_roots([Float32(1.0)] * T, means, self.eps)
             for t in cutlass.range_constexpr(T):
-                where = wide((request * T + t) * H + head) * K + row
+                where = self.offset("out", request, t, head, row)
                 out[where] = BFloat16(outs[t] * rstd[t] * nw * gated[t])
 
     @cute.jit
-    def write_records(self, key_gates, conv, activations, raw_gates, history, inputs, rec,
-                      has_records, slot, head, tid):
-        """Once every CTA of the item has read the old ones: the new records' keys
-        (section 0) and raw gates (section 1), and the window
-        [history[1], history[2], x_0 .. x_{T-1}] of this thread's channels."""
+    def write_records(self, ptr, activations, raw_gates, history, inputs, item, head, rank,
+                      tid):
+        """Once every CTA of the item has read the old ones, each CTA writes its channel
+        share of the new records' keys (section 0) and raw gates (section 1) and of the
+        window [history, x_0 .. x_{T-1}]; then rank 0 leaves the record row awaiting its
+        accept (every CTA of the item has read the pending count by then)."""
         T: cutlass.Constexpr = self.tokens
-        H: cutlass.Constexpr = self.heads
         channel, section = tid % K, tid // K
-        if has_records:
-            for t in cutlass.range_constexpr(T):
-                base = ((wide(rec) * H + head) * self.record_tokens + t) * 2 * K + channel
-                if section == 0:
-                    key_gates[base] = BFloat16(activations[1, t])
-                else:
-                    key_gates[base + K] = raw_gates[t, channel]
-        for s in cutlass.range_constexpr(2):
-            if (section == 0) | (s == 0):
-                base = self.window_base(slot, 2 * section + s, head, channel)
-                for i in cutlass.range_constexpr(2):
-                    conv[base + i] = BFloat16(history[s, i])
+        if channel // (K // self.split) == rank:
+            if item.has_records:
                 for t in cutlass.range_constexpr(T):
-                    conv[base + 2 + t] = BFloat16(inputs[s, t])
+                    at = self.offset("key_gates", item.rec, head, t, 0, channel)
+                    if section == 0:
+                        ptr.key_gates[at] = BFloat16(activations[1, t])
+                    else:
+                        ptr.key_gates[at + K] = raw_gates[t, channel]
+            for s in cutlass.range_constexpr(2):
+                if (section == 0) | (s == 0):
+                    at = self.offset("conv", item.slot, 2 * section + s, head, channel)
+                    for i in cutlass.range_constexpr(3):
+                        ptr.conv[at + i] = BFloat16(history[s, i])
+                    for t in cutlass.range_constexpr(T):
+                        ptr.conv[at + 3 + t] = BFloat16(inputs[s, t])
+        if (tid == 0) & (rank == 0) & item.has_records:
+            ptr.pending[self.offset("pending", item.rec, head)] = Int32(AWAITING)

@@ -42,16 +42,17 @@ def load_words(ptr, offset, count):
     return [words[i] for i in range(count)]
 
 
-def load_i32_pair(ptr_a, offset_a, ptr_b, offset_b, speculative=False):
-    """The Int32s at `ptr_a + offset_a` and `ptr_b + offset_b`, both issued before either
-    is used: volatile, so that ptxas cannot sink the second into the branch that uses it
-    (which would wait for the first load before issuing it). speculative: values that may
-    be stale, read cached in L2 only (an L1 line of them would outlive the read)."""
+def load_i32s(places, speculative=False):
+    """The Int32s at each (ptr, offset) of `places`, all issued before any is used:
+    volatile, so that ptxas cannot sink a later one into the branch that uses it (which
+    would wait for the first load before issuing it). speculative: values that may be
+    stale, read cached in L2 only (an L1 line of them would outlive the read)."""
     op = "ld.global.cg" if speculative else "ld.volatile.global"
-    return cute.arch.inline_ptx(
-        f"{op}.b32 {{$w0}}, [{{$r0}}];\n\t{op}.b32 {{$w1}}, [{{$r1}}];",
-        write_only_types=[Int32, Int32],
-        read_only_args=[aligned(ptr_a, offset_a, 4), aligned(ptr_b, offset_b, 4)])
+    text = "\n\t".join(f"{op}.b32 {{$w{i}}}, [{{$r{i}}}];" for i in range(len(places)))
+    loaded = cute.arch.inline_ptx(
+        text, write_only_types=[Int32] * len(places),
+        read_only_args=[aligned(ptr, offset, 4) for ptr, offset in places])
+    return list(loaded) if len(places) > 1 else [loaded]
 
 
 def load_if(ptr, offset, predicate):
@@ -167,7 +168,7 @@ def exp(x):
 # the IEEE result (its checks pass: nothing in the sequence can underflow or overflow).
 # Each caller tests the fewest values that bound all of them, ahead of the arithmetic where
 # it can, and a root and its quotient share one test: testing every operand and result
-# made B = 1 8% and T = 8 5-9% slower (benchmarks/NOTES.md, change 26).
+# was slower at B = 1 and T = 8 (docs/performance.md).
 FAST_LOW, FAST_HIGH = 2.0**-100, 2.0**100
 ROOT_FLOOR = 2.0**-20  # divided_by_roots' radicand bound: roots in [2^-10, 2^50]
 
@@ -258,7 +259,7 @@ def decays(raw_gates, a_exp, dts, lower_bound):
     """[exp(lower_bound * sigmoid(exp(a_log) * (raw_g + dt_bias)))], a_exp = exp(a_log).
     No IEEE fallback where |lower_bound| <= 2^60: a denominator d past 2^100 puts the
     sigmoid below 2^-100 and |lower_bound sigmoid| below 2^-40, whose exp is 1.0 as exp(0)
-    is (tests/test_gpu.py checks both on the device), so the sigmoid is taken as 0 there
+    is (the GPU tests check both on the device), so the sigmoid is taken as 0 there
     (a NaN d stays NaN); within 2^100 the fast quotient is the IEEE one."""
     inputs = [a_exp * (g + dt) for g, dt in zip(raw_gates, dts)]
     if abs(lower_bound) > 2.0**60:  # a build-time float

@@ -1,0 +1,66 @@
+"""The stock per-token recurrence, replay and verify each a `jax.lax.scan` over tokens:
+nothing clever, the ground truth every fast path is held against. Same signatures as
+`fused_verify` and `jax_kda.prefill`."""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from jax_kda.config import KdaConfig
+from jax_kda.layer import HIGHEST, round_bf16
+from jax_kda.prefill import check_prefill, run_prefill
+from jax_kda.pytrees import KdaCache, KdaParams, PrefillInputs, VerifyInputs
+from jax_kda.rows import verify_rows
+from jax_kda.validate import check_verify
+
+
+def stock_step(S, token):
+    """One token of the stock recurrence: (S, (q, k, v, d, beta)) -> (S, (u, bf16 o)),
+    vectors [B, H, K], beta [B, H]."""
+    q, k, v, d, beta = token
+    S = S * d[:, :, None, :]
+    u = beta[..., None] * (v - jnp.einsum("bhrc,bhc->bhr", S, k, precision=HIGHEST))
+    S = S + u[..., :, None] * k[..., None, :]
+    o = jnp.einsum("bhrc,bhc->bhr", S, q, precision=HIGHEST)
+    return S, (u, round_bf16(o))
+
+
+def per_token(a):
+    """[B, H, T, ...] -> [T, B, H, ...], the scan's leading axis."""
+    return jnp.moveaxis(a, 2, 0)
+
+
+def stock_recurrence(state, replay, tokens):
+    """Replay then verify, one token per scan step: (S_n, u, o)."""
+
+    def replay_step(S, token):
+        u, kn, d = token  # each [B, H, K]
+        return S * d[:, :, None, :] + u[..., :, None] * kn[..., None, :], None
+
+    state_n, _ = jax.lax.scan(replay_step, state, tuple(map(per_token, replay)))
+    operands = tuple(map(per_token, (tokens.q, tokens.k, tokens.v, tokens.d, tokens.beta)))
+    _, (u, o) = jax.lax.scan(stock_step, state_n, operands)
+    return state_n, jnp.moveaxis(u, 0, 2), jnp.moveaxis(o, 0, 2)
+
+
+def stock_verify(params: KdaParams, cache: KdaCache, inputs: VerifyInputs,
+                 config: KdaConfig, *, layer=None):
+    """`fused_verify` with the stock per-token recurrence (docs/spec.md): the ground
+    truth. Returns (out [B, T, H, K] bf16, cache). Not jitted; wrap it in `jax.jit`
+    with `static_argnames="config"` to run it fast."""
+    _, layer = check_verify(params, cache, inputs, config, layer)
+    return verify_rows(params, cache, inputs, config, layer, stock_recurrence)
+
+
+def stock_prefill_recurrence(state, q, k, v, beta, d):
+    """The prompt from `state`, one token per scan step: (state, o)."""
+    state, (_, o) = jax.lax.scan(stock_step, state, tuple(map(per_token, (q, k, v, d, beta))))
+    return state, jnp.moveaxis(o, 0, 2)
+
+
+def stock_prefill(params: KdaParams, cache: KdaCache, inputs: PrefillInputs,
+                  config: KdaConfig, *, layer=None):
+    """`jax_kda.prefill` with the stock per-token recurrence: the ground truth.
+    Returns (out [B, P, H, K] bf16, cache). Not jitted, like `stock_verify`."""
+    layer = check_prefill(params, cache, inputs, config, layer)
+    return run_prefill(params, cache, inputs, config, layer, stock_prefill_recurrence)

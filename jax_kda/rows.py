@@ -1,0 +1,213 @@
+"""A batch's rows of the cache, for every JAX path: reading its operands (docs/spec.md,
+steps 0-4) and writing its results back (steps 6-9), in one layer of a stacked cache or
+in a cache of one layer.
+
+Only the batch's rows are gathered and scattered (O(B) work, none in S, R or L).
+Out-of-range indices never touch memory: a slot outside [1, S) (or a layer outside
+[0, L)) is a padding row, a record row outside [0, R) keeps no records; reads are
+clamped and masked, writes go to an index past the buffer and are dropped.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from jax_kda.config import CONV_TAPS, KdaConfig
+from jax_kda.layer import convolve, decay, gate_projection, gated_rmsnorm, l2_normalize
+from jax_kda.pytrees import AWAITING, KdaCache, KdaParams
+
+
+class Rows(NamedTuple):
+    """Where a batch lives in the cache. live: [B] bool (a real request); slot, record:
+    [B] int32, in range or past the buffer (writes there are dropped); n: [B, H] int32,
+    the clamped pending count per head (0 for a request with no records); layer: the
+    int32 layer of a stacked cache (clamped into range), or None."""
+
+    live: jax.Array
+    slot: jax.Array
+    record: jax.Array
+    n: jax.Array
+    layer: jax.Array | None
+
+
+class Replay(NamedTuple):
+    """The records a verify or flush folds in, [B, H, RQ, K], zeroed past n: u
+    (corrections), kn (normalized keys) and d (decays, 1 past n)."""
+
+    u: jax.Array
+    kn: jax.Array
+    d: jax.Array
+
+
+class Tokens(NamedTuple):
+    """A step's per-token operands. q, k: [B, H, T, K] normalized (q scaled); v:
+    [B, H, T, K]; d: [B, H, T, K] decays; beta: [B, H, T]; key, raw_g: [B, T, H, K]
+    bf16 values recorded for the next replay."""
+
+    q: jax.Array
+    k: jax.Array
+    v: jax.Array
+    d: jax.Array
+    beta: jax.Array
+    key: jax.Array
+    raw_g: jax.Array
+
+
+def layer_of(tree, layer):
+    """The leaves of one layer of a stacked pytree (params), or the tree itself when
+    layer is None; a gather of that layer's weights only."""
+    if layer is None:
+        return tree
+    return jax.tree.map(lambda a: a[layer], tree)
+
+
+def two_rows(batch):
+    """A batch of one request as two, the second a padding row (slot 0): XLA makes a
+    one-row gather or scatter a dynamic slice, around which it copies the whole
+    buffer. batch: a pytree of [B, ...] leaves (slots among them); other batches as
+    they are."""
+    B = jax.tree.leaves(batch)[0].shape[0]
+    if not isinstance(B, int) or B != 1:
+        return batch
+    return jax.tree.map(lambda a: jnp.concatenate([a, jnp.zeros_like(a)]), batch)
+
+
+def locate(cache: KdaCache, slots, record_rows, config: KdaConfig, layer=None) -> Rows:
+    """The batch's slots and record rows, validated against the buffers' sizes."""
+    S, R = cache.state.shape[-4], cache.pending.shape[-2]
+    live = (slots > 0) & (slots < S)
+    if layer is not None:
+        L = cache.state.shape[0]
+        live = live & (layer >= 0) & (layer < L)
+        layer = jnp.clip(layer, 0, L - 1)
+    has_records = live & (record_rows >= 0) & (record_rows < R)
+    record = jnp.where(has_records, record_rows, R)
+    pending = read(cache.pending, layer, jnp.minimum(record, R - 1))  # [B, H]
+    n = jnp.where(has_records[:, None], jnp.clip(pending, 0, config.rq), 0)
+    return Rows(live, jnp.where(live, slots, S), record, n, layer)
+
+
+def _where(layer, index):
+    index = index if isinstance(index, tuple) else (index,)
+    return index if layer is None else (layer,) + index
+
+
+def read(buffer, layer, index):
+    """buffer[layer, index] of a stacked buffer, buffer[index] of one layer's."""
+    return buffer[_where(layer, index)]
+
+
+def write(buffer, layer, index, values):
+    """`read`'s rows set to values, rows past the buffer dropped; in place when the
+    buffer is donated. (XLA:CPU alone converts a bf16 buffer to f32 and back around a
+    gather or scatter, which costs O(buffer) there.)"""
+    return buffer.at[_where(layer, index)].set(values.astype(buffer.dtype), mode="drop")
+
+
+def write_pending(cache: KdaCache, rows: Rows, value: int):
+    """cache.pending with each (record row, head) of the batch set to `value`. The
+    values are computed from the rows' read (`locate`): XLA copies a buffer before a
+    scatter whose values do not depend on its read of that buffer."""
+    settled = jnp.where(rows.n >= 0, jnp.int32(value), rows.n)
+    return write(cache.pending, rows.layer, rows.record, settled)
+
+
+def read_state(cache: KdaCache, rows: Rows):
+    """S_0 per request: [B, H, K, K] (padding rows read the null slot)."""
+    return read(cache.state, rows.layer, jnp.where(rows.live, rows.slot, 0))
+
+
+def read_replay(params: KdaParams, cache: KdaCache, rows: Rows,
+                config: KdaConfig) -> Replay:
+    """The records the replay folds in, masked past each (request, head)'s n; params
+    of the rows' layer."""
+    R = cache.pending.shape[-2]
+    record = jnp.minimum(rows.record, R - 1)
+    keep = (jnp.arange(config.rq)[None, None, :] < rows.n[:, :, None])[..., None]
+    u = jnp.where(keep, read(cache.corrections, rows.layer, record), 0.0)
+    key_gates = read(cache.key_gates, rows.layer, record).astype(jnp.float32)
+    kn = jnp.where(keep, l2_normalize(key_gates[..., 0, :]), 0.0)
+    d = decay(jnp.moveaxis(key_gates[..., 1, :], 1, 2), params.a_log, params.dt_bias,
+              config.lower_bound)
+    return Replay(u, kn, jnp.where(keep, jnp.moveaxis(d, 1, 2), 1.0))
+
+
+def read_history(cache: KdaCache, rows: Rows):
+    """The three conv inputs before this step: window[n .. n+2] per head. Returns
+    [B, 3, 3, H, K] bf16 values (part, position, head, channel)."""
+    window = read(cache.conv, rows.layer, jnp.where(rows.live, rows.slot, 0))
+    offset = rows.n[:, None, :, None, None] + jnp.arange(CONV_TAPS - 1)  # [B, 1, H, 1, 3]
+    history = jnp.take_along_axis(window, offset, axis=-1).astype(jnp.float32)
+    return jnp.moveaxis(history, -1, 2)
+
+
+def prepare_tokens(params: KdaParams, x, f_a, beta, history, config: KdaConfig) -> Tokens:
+    """Convolution, SiLU, norms, gate projection, decays and betas of the tokens.
+
+    x: [B, T, 3, H, K] bf16; f_a: [B, T, K]; beta: [B, T, H]; history as `read_history`
+    returns it.
+    """
+    y = convolve(history, x, params.conv_weight, params.conv_bias)
+    q, key, v = (jnp.swapaxes(y[:, :, i], 1, 2) for i in range(3))  # [B, H, T, K]
+    raw_g = gate_projection(f_a, params.f_b, config.gate_mode)
+    d = decay(raw_g, params.a_log, params.dt_bias, config.lower_bound)
+    return Tokens(
+        q=l2_normalize(q, config.query_scale),
+        k=l2_normalize(key),
+        v=v,
+        d=jnp.swapaxes(d, 1, 2),
+        beta=jax.nn.sigmoid(jnp.swapaxes(beta.astype(jnp.float32), 1, 2)),
+        key=jnp.swapaxes(key, 1, 2),
+        raw_g=raw_g,
+    )
+
+
+def write_state(cache: KdaCache, rows: Rows, state_0, state_n):
+    """cache.state with S_n written where some head replayed (S_0 kept in the heads
+    that replayed nothing)."""
+    S = cache.state.shape[-4]
+    replayed = rows.n > 0  # [B, H]
+    state = jnp.where(replayed[..., None, None], state_n, state_0)
+    return write(cache.state, rows.layer, jnp.where(replayed.any(1), rows.slot, S), state)
+
+
+def write_step(cache: KdaCache, rows: Rows, x, history, tokens: Tokens, u,
+               config: KdaConfig) -> KdaCache:
+    """The cache's records, window and pending after a verify (steps 7-9): the T new
+    records at record positions 0..T-1, the window [history, x_0 .. x_{T-1}], and the
+    record row awaiting its accept. x: [B, T, 3, H, K] bf16; history: `read_history`'s;
+    u: [B, H, T, K]."""
+    T = config.tokens
+    window = jnp.concatenate([jnp.moveaxis(history, 2, -1).astype(jnp.bfloat16),
+                              jnp.transpose(x, (0, 2, 3, 4, 1))], axis=-1)
+    conv = write(cache.conv, rows.layer, (rows.slot, ..., slice(0, T + CONV_TAPS - 1)),
+                 window)
+    corrections = write(cache.corrections, rows.layer, (rows.record, slice(None),
+                                                         slice(0, T)), u)
+    records = jnp.stack([tokens.key, tokens.raw_g], axis=-2)  # [B, T, H, 2, K]
+    key_gates = write(cache.key_gates, rows.layer, (rows.record, slice(None), slice(0, T)),
+                      jnp.swapaxes(records, 1, 2))
+    return KdaCache(cache.state, conv, corrections, key_gates,
+                    write_pending(cache, rows, AWAITING))
+
+
+def verify_rows(params: KdaParams, cache: KdaCache, inputs, config: KdaConfig, layer,
+                recurrence):
+    """One verify (docs/spec.md, steps 0-9) around `recurrence(S_0, replay, tokens) ->
+    (S_n, u, o)`, o in bf16 values, each [B, H, ...]. Returns (out [B, T, H, K] bf16,
+    cache); the arguments are checked by the caller."""
+    B = inputs.slots.shape[0]
+    inputs = two_rows(inputs)
+    rows = locate(cache, inputs.slots, inputs.record_rows, config, layer)
+    params = layer_of(params, rows.layer)
+    history = read_history(cache, rows)
+    tokens = prepare_tokens(params, inputs.x, inputs.f_a, inputs.beta, history, config)
+    state_0 = read_state(cache, rows)
+    state_n, u, o = recurrence(state_0, read_replay(params, cache, rows, config), tokens)
+    out = gated_rmsnorm(jnp.swapaxes(o, 1, 2), inputs.gate, params.norm_weight, config.eps)
+    out = jnp.where(rows.live[:, None, None, None], out, jnp.zeros_like(out))
+    cache = write_step(cache, rows, inputs.x, history, tokens, u, config)
+    return out[:B], dataclasses.replace(cache, state=write_state(cache, rows, state_0, state_n))

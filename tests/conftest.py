@@ -1,7 +1,14 @@
-"""Fixtures shared by the test modules: the three JAX implementations of a verify, which
-all take (params, cache, inputs, config) and return (out, cache), and the random data
-helpers of jax_kda.testing compiled once per shape (eagerly, each of their many small
-ops compiles on its own, which dominates the suite's time on a 2-core CPU)."""
+"""Fixtures shared by the test modules: the two JAX implementations of a verify, which
+take (params, cache, inputs, config, layer=None) and return (out, cache), and the
+random data helpers of jax_kda.testing compiled once per shape (eagerly, each of their
+many small ops compiles on its own, which dominates the suite's time on a 2-core CPU),
+drawn from "rbg" keys (`DRAW.key`): XLA:CPU compiles a threefry draw of a cache in
+~14 s, an RngBitGenerator one in ~1 s.
+
+The implementations share the pointwise code and the cache's row handling
+(jax_kda.rows, jax_kda.layer) and differ in the recurrence only, so a comparison of
+one with the other proves little: every parity test holds each of them against the
+independent float64 model of tests/numpy_model.py."""
 import functools
 from types import SimpleNamespace
 
@@ -9,18 +16,22 @@ import jax
 import pytest
 
 from jax_kda import fused_verify, testing
-from jax_kda.reference import chunked_verify, stock_verify
+from jax_kda.ref import stock_verify
 
 IMPLEMENTATIONS = {
+    # the stock per-token recurrence (a lax.scan over tokens), jitted
     "stock": jax.jit(stock_verify, static_argnames="config"),
-    "chunked": chunked_verify,
-    "fused_jax": functools.partial(fused_verify, backend="jax"),
+    # fused_verify's XLA backend: the chunked (WY) form, jitted inside
+    "xla": functools.partial(fused_verify, backend="jax"),
 }
 
 DRAW = SimpleNamespace(
+    key=lambda seed: jax.random.key(seed, impl="rbg"),
     params=jax.jit(testing.random_params,
-                   static_argnames=("config", "conv_dtype", "conv_bias", "norm_dtype")),
-    cache=jax.jit(testing.random_cache, static_argnums=(1, 2, 3)),
+                   static_argnames=("config", "conv_dtype", "conv_bias", "norm_dtype",
+                                    "layers")),
+    cache=jax.jit(testing.random_cache, static_argnums=(1, 2, 3),
+                  static_argnames="layers"),
     inputs=jax.jit(testing.random_inputs, static_argnums=1),
 )
 
@@ -33,11 +44,12 @@ def implementation(request):
 
 @pytest.fixture
 def implementations():
-    """All three implementations by name, for tests that compare them."""
+    """Both implementations by name, for tests that run each."""
     return IMPLEMENTATIONS
 
 
 @pytest.fixture
 def draw():
-    """random_params / random_cache / random_inputs of jax_kda.testing, jitted."""
+    """random_params / random_cache / random_inputs of jax_kda.testing, jitted, and
+    key(seed), the PRNG key to draw them from."""
     return DRAW

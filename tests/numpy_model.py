@@ -1,11 +1,14 @@
-"""An independent NumPy model of one verify (SPEC.md section 3), written plainly: per
+"""An independent NumPy model of the contract (docs/spec.md), written plainly: per
 request, per head, per token loops, the stock per-token recurrence in float64.
 
+It models one verify (steps 0-9), the runner's `accept` and `flush`, and `prefill`,
+each for one layer or for stacked layers (a leading [L] on every leaf, `layer=i`).
 The bf16 roundings sit at the stock points (via ml_dtypes). The values rounded there
-are computed as SPEC.md pins them: the convolution and its SiLU in FP32 with the taps
-in order, the gate projection as FP32 chains in gate_mode's order; everything else
-(norms, decays, the recurrence, the gated RMSNorm) is float64. Nothing is imported from
-jax_kda: arguments are read through their attribute names and converted with numpy.
+are computed as docs/spec.md pins them: the convolution and its SiLU in FP32 with the
+taps in order, the gate projection as FP32 chains in gate_mode's order; everything
+else (norms, decays, the recurrence, the gated RMSNorm) is float64. Nothing is
+imported from jax_kda: arguments are read through their attribute names and converted
+with numpy, and the results are SimpleNamespaces of numpy arrays in the stored dtypes.
 """
 from __future__ import annotations
 
@@ -17,6 +20,9 @@ import numpy as np
 K = 128
 TAPS = 4
 NORM_EPS = 1e-6
+AWAITING = -1
+CACHE_FIELDS = ("state", "conv", "corrections", "key_gates", "pending")
+PARAM_FIELDS = ("conv_weight", "conv_bias", "a_log", "dt_bias", "f_b", "norm_weight")
 
 
 def bf16(x):
@@ -56,9 +62,11 @@ def conv_silu(seq, weight, bias, T):
 
 def gate_projection(f_a, f_b, gate_mode):
     """bf16(f_a . f_b^T) of one token and head: f_a [K], f_b [K features, K rank],
-    summed in FP32 as one chain over the rank (mode 0) or four quarter chains (mode 1)."""
-    products = (f_a.astype(np.float32)[None, :] * f_b.astype(np.float32))  # exact in FP32
-    chains = 1 if gate_mode == 0 else 4
+    summed in FP32 as one chain over the rank in order (mode 0) or as four chains over
+    the rank quarters added ((c0 + c1) + c2) + c3 (mode 1)."""
+    products = (np.asarray(f_a, np.float32)[None, :]
+                * np.asarray(f_b, np.float32))  # products of bf16 values: exact in FP32
+    chains = {0: 1, 1: 4}[gate_mode]
     parts = []
     for c in np.split(products, chains, axis=1):
         total = np.zeros(K, np.float32)
@@ -71,70 +79,225 @@ def gate_projection(f_a, f_b, gate_mode):
     return bf16(total)
 
 
-def verify(params, cache, inputs, config):
-    """One verify: returns (out [B, T, H, K] bf16 values as float64, cache) with the
-    cache a SimpleNamespace of numpy arrays in the stored dtypes (copies)."""
-    H, T = config.heads, config.tokens
+def _sizes(config):
     RQ = config.tokens if config.record_tokens is None else config.record_tokens
     scale = K**-0.5 if config.scale is None else config.scale
-    lb = config.lower_bound
+    return config.heads, config.tokens, RQ, scale
 
-    conv_weight = f64(params.conv_weight)
-    conv_bias = None if params.conv_bias is None else f64(params.conv_bias)
-    a_log, dt_bias, f_b = f64(params.a_log), f64(params.dt_bias), f64(params.f_b)
-    norm_weight = f64(params.norm_weight)
-    new = SimpleNamespace(**{name: np.array(getattr(cache, name)) for name in
-                             ("state", "conv", "corrections", "key_gates", "pending")})
-    old = SimpleNamespace(**{name: np.array(getattr(cache, name)) for name in
-                             ("state", "conv", "corrections", "key_gates", "pending")})
+
+def copy_cache(cache):
+    """The cache as a SimpleNamespace of numpy copies in the stored dtypes."""
+    return SimpleNamespace(**{name: np.array(getattr(cache, name)) for name in CACHE_FIELDS})
+
+
+def _weights(params):
+    """The layer's weights in float64 (None for a missing conv bias)."""
+    return SimpleNamespace(**{name: None if getattr(params, name) is None
+                              else f64(getattr(params, name)) for name in PARAM_FIELDS})
+
+
+def _layer(tree, fields, layer):
+    return SimpleNamespace(**{name: None if getattr(tree, name) is None
+                              else np.asarray(getattr(tree, name))[layer] for name in fields})
+
+
+def _stacked(one_layer):
+    """`one_layer(params, cache, ...) -> (out, new cache)` for stacked params and cache
+    with `layer`: a layer outside [0, L) makes every row a padding row (zero out, the
+    cache unchanged); layer None calls it on one layer's arguments."""
+
+    def run(params, cache, batch, config, layer=None):
+        if layer is None:
+            return one_layer(params, cache, batch, config)
+        new = copy_cache(cache)
+        L = new.state.shape[0]
+        layer = int(layer)
+        if not 0 <= layer < L:
+            out, _ = one_layer(_layer(params, PARAM_FIELDS, 0), _layer(cache, CACHE_FIELDS, 0),
+                               batch, config, padding=True)
+            return out, new
+        out, layer_cache = one_layer(_layer(params, PARAM_FIELDS, layer),
+                                     _layer(cache, CACHE_FIELDS, layer), batch, config)
+        for name in CACHE_FIELDS:
+            getattr(new, name)[layer] = getattr(layer_cache, name)
+        return out, new
+
+    run.__doc__ = one_layer.__doc__
+    return run
+
+
+def _replay(old, slot, rec, h, n, w, lb):
+    """S_n of (slot, head h) from the stock recurrence over the n recorded tokens."""
+    state = f64(old.state[slot, h])
+    for t in range(n):
+        kn = l2_normalize(f64(old.key_gates[rec, h, t, 0]))
+        d = decay(f64(old.key_gates[rec, h, t, 1]), w.a_log[h], w.dt_bias[h], lb)
+        state = state * d[None, :] + np.outer(f64(old.corrections[rec, h, t]), kn)
+    return state
+
+
+def _tokens(state, history, x, f_a, beta_logit, gate, w, h, config, count):
+    """The stock recurrence over `count` tokens of one request and head from `state`.
+
+    history: [3 parts, 3 positions, K] raw inputs before x_0; x: [count, 3, K] raw
+    inputs of head h; f_a [count, K]; beta_logit [count]; gate [count, K].
+    Returns (state, out [count, K], u [count, K], key [count, K], raw_g [count, K]).
+    """
+    _, _, _, scale = _sizes(config)
+    lb = config.lower_bound
+    qkv = np.empty((3, count, K))
+    for part in range(3):
+        seq = np.concatenate([history[part], x[:, part]])  # [count + 3, K]
+        bias = None if w.conv_bias is None else w.conv_bias[part, h]
+        qkv[part] = conv_silu(seq, w.conv_weight[part, :, h], bias, count)
+    out, u_all, raw_all = (np.empty((count, K)) for _ in range(3))
+    for t in range(count):
+        q_hat = l2_normalize(qkv[0, t], scale)
+        k_hat = l2_normalize(qkv[1, t])
+        raw_g = gate_projection(f_a[t], w.f_b[h], config.gate_mode)
+        d = decay(raw_g, w.a_log[h], w.dt_bias[h], lb)
+        beta = sigmoid(beta_logit[t])
+        state = state * d[None, :]
+        u = beta * (qkv[2, t] - state @ k_hat)
+        state = state + np.outer(u, k_hat)
+        o = bf16(state @ q_hat)
+        rstd = 1.0 / np.sqrt(np.mean(o**2) + config.eps)
+        out[t] = bf16(o * rstd * w.norm_weight * sigmoid(gate[t]))
+        u_all[t], raw_all[t] = u, raw_g
+    return state, out, u_all, qkv[1], raw_all
+
+
+def _verify_one(params, cache, inputs, config, padding=False):
+    """One verify of one layer (docs/spec.md, steps 0-9): returns (out [B, T, H, K] bf16
+    values as float64, cache)."""
+    H, T, RQ, _ = _sizes(config)
+    w = _weights(params)
+    old, new = copy_cache(cache), copy_cache(cache)
+    raw_x = np.asarray(inputs.x)  # bf16, stored into the window as it is
     x, f_a = f64(inputs.x), f64(inputs.f_a)
     beta_logit, gate = f64(inputs.beta), f64(inputs.gate)
     slots, record_rows = np.asarray(inputs.slots), np.asarray(inputs.record_rows)
     S, R = old.state.shape[0], old.pending.shape[0]
     B = x.shape[0]
     out = np.zeros((B, T, H, K))
+    if padding:
+        return out, new
 
     for b in range(B):
         slot, rec = int(slots[b]), int(record_rows[b])
         if not 0 < slot < S:
-            continue
+            continue  # a padding row: nothing read or written
         has_records = 0 <= rec < R
-        n = int(np.clip(old.pending[rec], 0, RQ)) if has_records else 0
-        o_start = n - 1 if n > 0 else 0
-        window = f64(old.conv[slot])  # [3, H, K, RQ + 2]
-        history = window[..., o_start:o_start + 3]
         for h in range(H):
-            state = f64(old.state[slot, h])
-            for t in range(n):
-                key = f64(old.key_gates[rec, h, t, 0])
-                d = decay(f64(old.key_gates[rec, h, t, 1]), a_log[h], dt_bias[h], lb)
-                kn = l2_normalize(key)
-                state = state * d[None, :] + np.outer(f64(old.corrections[rec, h, t]), kn)
+            n = int(np.clip(old.pending[rec, h], 0, RQ)) if has_records else 0
+            state = _replay(old, slot, rec, h, n, w, config.lower_bound)
             if n > 0:
                 new.state[slot, h] = state
-
-            qkv = np.empty((3, T, K))
-            for part in range(3):
-                seq = np.concatenate([history[part, h].T, x[b, :, part, h]])  # [T + 3, K]
-                bias = None if conv_bias is None else conv_bias[part, h]
-                qkv[part] = conv_silu(seq, conv_weight[part, :, h], bias, T)
-            o = np.empty((T, K))
-            for t in range(T):
-                q_hat = l2_normalize(qkv[0, t], scale)
-                k_hat = l2_normalize(qkv[1, t])
-                raw_g = gate_projection(f_a[b, t], f_b[h], config.gate_mode)
-                d = decay(raw_g, a_log[h], dt_bias[h], lb)
-                beta = sigmoid(beta_logit[b, t, h])
-                state = state * d[None, :]
-                u = beta * (qkv[2, t] - state @ k_hat)
-                state = state + np.outer(u, k_hat)
-                o[t] = bf16(state @ q_hat)
-                rstd = 1.0 / np.sqrt(np.mean(o[t] ** 2) + config.eps)
-                out[b, t, h] = bf16(o[t] * rstd * norm_weight * sigmoid(gate[b, t, h]))
-                if has_records:
-                    new.corrections[rec, h, t] = u
-                    new.key_gates[rec, h, t, 0] = qkv[1, t]
-                    new.key_gates[rec, h, t, 1] = raw_g
-        new.conv[slot, ..., :2] = old.conv[slot, ..., o_start + 1:o_start + 3]
-        new.conv[slot, ..., 2:T + 2] = np.moveaxis(np.asarray(inputs.x)[b], 0, -1)
+            window = old.conv[slot, :, h]  # [3 parts, K, W] bf16
+            history = np.moveaxis(window[..., n:n + 3], -1, 1)  # [3 parts, 3, K]
+            _, out[b, :, h], u, key, raw_g = _tokens(
+                state, f64(history), x[b, :, :, h], f_a[b], beta_logit[b, :, h],
+                gate[b, :, h], w, h, config, T)
+            if has_records:
+                new.corrections[rec, h, :T] = u
+                new.key_gates[rec, h, :T, 0] = key
+                new.key_gates[rec, h, :T, 1] = raw_g
+                new.pending[rec, h] = AWAITING
+            new.conv[slot, :, h, :, :3] = window[..., n:n + 3]
+            new.conv[slot, :, h, :, 3:T + 3] = np.moveaxis(raw_x[b, :, :, h], 0, -1)
     return out, new
+
+
+verify = _stacked(_verify_one)
+verify.__doc__ = """One verify (docs/spec.md, steps 0-9), of one layer or, with `layer`,
+of layer `layer` of stacked params and cache. Returns (out [B, T, H, K] bf16 values as
+float64, cache as numpy arrays)."""
+
+
+def accept(cache, record_rows, accepted, config):
+    """The runner's accept: pending := clamp(accepted, 0, T) in every head (and layer)
+    of each in-range record row where it is AWAITING; everything else unchanged."""
+    T = config.tokens
+    new = copy_cache(cache)
+    old = np.array(new.pending)
+    R = old.shape[-2]
+    for rec, count in zip(np.asarray(record_rows).tolist(), np.asarray(accepted).tolist()):
+        if not 0 <= rec < R:
+            continue
+        row = old[..., rec, :]
+        new.pending[..., rec, :] = np.where(row == AWAITING, min(max(count, 0), T), row)
+    return new
+
+
+def _flush_one(params, cache, batch, config):
+    slots, record_rows = batch
+    H, _, RQ, _ = _sizes(config)
+    w = _weights(params)
+    old, new = copy_cache(cache), copy_cache(cache)
+    S, R = old.state.shape[0], old.pending.shape[0]
+    for slot, rec in zip(np.asarray(slots).tolist(), np.asarray(record_rows).tolist()):
+        if not 0 < slot < S:
+            continue
+        has_records = 0 <= rec < R
+        for h in range(H):
+            n = int(np.clip(old.pending[rec, h], 0, RQ)) if has_records else 0
+            if n > 0:
+                new.state[slot, h] = _replay(old, slot, rec, h, n, w, config.lower_bound)
+            new.conv[slot, :, h, :, :3] = old.conv[slot, :, h, :, n:n + 3]
+        if has_records:
+            new.pending[rec] = 0
+    return None, new
+
+
+def flush(params, cache, slots, record_rows, config):
+    """The runner's flush (docs/spec.md): each live request's S_n into state[slot],
+    window[0..2] := window[n..n+2], pending := 0 (records left), in every layer of a
+    stacked cache (params stacked alike)."""
+    if np.ndim(cache.pending) == 2:
+        return _flush_one(params, cache, (slots, record_rows), config)[1]
+    new = copy_cache(cache)
+    for layer in range(new.state.shape[0]):
+        _, layer_cache = _flush_one(_layer(params, PARAM_FIELDS, layer),
+                                    _layer(cache, CACHE_FIELDS, layer),
+                                    (slots, record_rows), config)
+        for name in CACHE_FIELDS:
+            getattr(new, name)[layer] = getattr(layer_cache, name)
+    return new
+
+
+def _prefill_one(params, cache, inputs, config, padding=False):
+    """Prefill of one layer (docs/spec.md, "Prefill")."""
+    H = config.heads
+    w = _weights(params)
+    new = copy_cache(cache)
+    raw_x = np.asarray(inputs.x)
+    x, f_a = f64(inputs.x), f64(inputs.f_a)
+    beta_logit, gate = f64(inputs.beta), f64(inputs.gate)
+    slots, record_rows = np.asarray(inputs.slots), np.asarray(inputs.record_rows)
+    lengths = np.asarray(inputs.lengths)
+    S, R = new.state.shape[0], new.pending.shape[0]
+    B, P = x.shape[:2]
+    out = np.zeros((B, P, H, K))
+    if padding:
+        return out, new
+    for b in range(B):
+        slot, rec = int(slots[b]), int(record_rows[b])
+        if not 0 < slot < S:
+            continue
+        n = int(np.clip(lengths[b], 0, P))
+        zero_history = np.zeros((3, 3, K))
+        for h in range(H):
+            state, out[b, :n, h], _, _, _ = _tokens(
+                np.zeros((K, K)), zero_history, x[b, :n, :, h], f_a[b, :n],
+                beta_logit[b, :n, h], gate[b, :n, h], w, h, config, n)
+            new.state[slot, h] = state
+        last = np.concatenate([np.zeros((3,) + raw_x.shape[2:], raw_x.dtype), raw_x[b, :n]])
+        new.conv[slot, ..., :3] = np.moveaxis(last[-3:], 0, -1)  # [3, H, K, 3]
+        if 0 <= rec < R:
+            new.pending[rec] = 0
+    return out, new
+
+
+prefill = _stacked(_prefill_one)
+prefill.__doc__ = """Prefill (docs/spec.md, "Prefill") of one layer or, with `layer`,
+of layer `layer` of stacked params and cache: (out [B, P, H, K] as float64, cache)."""

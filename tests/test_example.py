@@ -1,5 +1,6 @@
 """The speculative-decoding example at a tiny size: its tokens equal plain greedy decoding
-with the stock per-token recurrence, and its check notices a wrong token."""
+with the stock per-token recurrence, its --layer-list path gives the same tokens as the
+stacked one, and its check notices a wrong token."""
 import importlib.util
 import pathlib
 import sys
@@ -20,20 +21,26 @@ def load_example():
 
 
 example = load_example()
-CONFIG = example.ModelConfig(vocab=64, dim=64, layers=1, heads=1, tokens=3)
+# Two layers, so that the stacked path's layer index and the scan carry are exercised.
+CONFIG = example.ModelConfig(vocab=64, dim=64, layers=2, heads=1, tokens=3)
 NEW_TOKENS = 9
+LENGTHS = (1, 7, 2, 5, 3)
 
 
-@pytest.fixture(scope="module")
-def decoded():
+def decode(layer_list):
     """Five requests (prompt lengths 1..7) through a batch of two, so slots are reused
     and the last step has a padding row; returns (model, prompts, run)."""
     model = example.init_model(7, CONFIG)
     prompts = [np.random.default_rng(7).integers(0, CONFIG.vocab, n).tolist()
-               for n in (1, 7, 2, 5, 3)]
-    run = example.speculative_decode(model, CONFIG, prompts, NEW_TOKENS, batch=2,
-                                     backend="jax")
-    return model, prompts, run
+               for n in LENGTHS]
+    engine = example.Engine(model, CONFIG, batch=2, max_prompt=max(LENGTHS), backend="jax",
+                            layer_list=layer_list)
+    return model, prompts, example.speculative_decode(engine, prompts, NEW_TOKENS)
+
+
+@pytest.fixture(scope="module")
+def decoded():
+    return decode(layer_list=False)
 
 
 def test_speculative_equals_stock_greedy(decoded):
@@ -46,6 +53,15 @@ def test_speculative_equals_stock_greedy(decoded):
     assert np.all(verdict.drift < verdict.margin)
     # Both outcomes of a verify happened: some drafts rejected, some accepted.
     assert 1 < run.accepted / run.row_steps < CONFIG.tokens
+
+
+def test_layer_list_equals_stacked(decoded):
+    _, _, stacked = decoded
+    _, _, listed = decode(layer_list=True)
+    assert listed.tokens == stacked.tokens
+    assert (listed.steps, listed.accepted) == (stacked.steps, stacked.accepted)
+    np.testing.assert_allclose(np.concatenate(listed.tops), np.concatenate(stacked.tops),
+                               rtol=0, atol=1e-4)
 
 
 def test_check_finds_a_wrong_token(decoded):

@@ -1,12 +1,15 @@
 """The CuTe DSL kernel without a GPU (marker `kernels`): the custom call lowered for
 CUDA with jax.export (CuTe DSL compiles the kernel for sm_90a during lowering) aliases
-the cache buffers in place and gets a binary of its own per configuration and shape;
-configurations compile without spills; the split heuristic;
-the eager entry point's argument errors.
+the cache buffers in place, compiles once per kernel configuration whatever the batch,
+cache and layer counts (symbolic B too), and raises a clear error where it cannot run;
+the operand table is the kernel's and the docs'; configurations compile without spills;
+the launch heuristics; the eager entry point's argument errors.
 """
 import dataclasses
 import functools
+import pathlib
 import re
+import time
 
 import jax
 import jax.numpy as jnp
@@ -17,87 +20,166 @@ pytest.importorskip("cutlass", reason="needs nvidia-cutlass-dsl")
 
 from jax import export  # noqa: E402
 
-from jax_kda import KdaConfig, fused_verify  # noqa: E402
+from jax_kda import KdaConfig, fused_verify, operands  # noqa: E402
 from jax_kda.ffi import choose_split, eager_verify, kernel_split, solo_ctas  # noqa: E402
 from jax_kda.testing import random_cache, random_inputs, random_params  # noqa: E402
 
 pytestmark = pytest.mark.kernels
 
 TARGET = "CuteDSLRT_NvJaxCutlassCall_v2"
-CACHE_WRITES = ("state", "conv", "corrections", "key_gates")
+CACHE = ("state", "conv", "corrections", "key_gates", "pending")
+DESIGN = pathlib.Path(__file__).parent.parent / "docs" / "design.md"
 
 
 def shapes(tree):
     return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), tree)
 
 
-def example(config, conv_bias=True, batch=3):
+def example(config, conv_bias=True, batch=3, layers=None):
     key = jax.random.key(0)
-    params = random_params(key, config, conv_bias=conv_bias)
-    cache = random_cache(jax.random.fold_in(key, 1), config, num_slots=5, num_records=4)
+    params = random_params(key, config, conv_bias=conv_bias, layers=layers)
+    cache = random_cache(jax.random.fold_in(key, 1), config, num_slots=5, num_records=4,
+                         layers=layers)
     inputs = random_inputs(jax.random.fold_in(key, 2), config, list(range(1, batch + 1)),
                            list(range(batch)))
     return params, cache, inputs
 
 
-@pytest.mark.parametrize("conv_bias", [True, False], ids=["bias", "no-bias"])
-def test_export_aliases_the_cache_in_place(conv_bias):
-    """The exported module holds one CuTe DSL custom call whose outputs 1..4 alias the
-    cache inputs, and the donated cache arguments alias the jitted function's outputs."""
+def exported(function, *args):
+    return export.export(jax.jit(function), platforms=["cuda"], disabled_checks=[
+        export.DisabledSafetyCheck.custom_call(TARGET)])(*args)
+
+
+@pytest.mark.parametrize("conv_bias, layers", [(True, None), (False, None), (True, 3)],
+                         ids=["bias", "no-bias", "stacked"])
+def test_export_aliases_the_cache_in_place(conv_bias, layers):
+    """The exported module holds one CuTe DSL custom call whose outputs 1..5 alias the
+    cache operands, and the donated cache arguments alias the jitted function's outputs
+    (stacked: the whole stacked buffers, no slice)."""
     config = KdaConfig(heads=2, tokens=4, split=2)
-    params, cache, inputs = example(config, conv_bias)
-    step = jax.jit(functools.partial(fused_verify, config=config, backend="cutedsl"),
+    params, cache, inputs = example(config, conv_bias, layers=layers)
+    extra = {} if layers is None else {"layer": 1}
+    step = jax.jit(functools.partial(fused_verify, config=config, backend="cutedsl", **extra),
                    donate_argnums=1)
-    exported = export.export(step, platforms=["cuda"], disabled_checks=[
+    text = export.export(step, platforms=["cuda"], disabled_checks=[
         export.DisabledSafetyCheck.custom_call(TARGET)])(
-            shapes(params), shapes(cache), shapes(inputs))
-    text = exported.mlir_module()
+            shapes(params), shapes(cache), shapes(inputs)).mlir_module()
     assert text.count(f"stablehlo.custom_call @{TARGET}") == 1
     aliases = re.findall(r"output_tuple_indices = \[(\d)\], operand_index = (\d+)", text)
-    assert sorted(int(o) for o, _ in aliases) == [1, 2, 3, 4]
+    assert sorted(int(o) for o, _ in aliases) == [1, 2, 3, 4, 5]
     main = re.search(r"func\.func public @main\((.*?)\) ->", text, re.S).group(1)
-    for name in CACHE_WRITES:
-        argument = re.search(rf"%arg\d+: [^%]*?loc\(\"cache\.{name}\"\)", main).group(0)
-        assert "tf.aliasing_output" in argument, f"cache.{name} is not aliased"
+    for name in CACHE:
+        argument = re.search(rf"%arg\d+: tensor<([^>]*)>[^%]*?loc\(\"cache\.{name}\"\)", main)
+        assert "tf.aliasing_output" in argument.group(0), f"cache.{name} is not aliased"
+        assert argument.group(1).startswith(
+            "x".join(map(str, getattr(cache, name).shape))), f"cache.{name} was sliced"
+    assert "dynamic_slice" not in text and "dynamic_update_slice" not in text
 
 
-def test_each_configuration_lowers_to_its_own_binary():
-    """cutlass_call's compile key is the kernel object of one static configuration: two
-    configurations that differ only in a compiled-in scalar (eps) or in the split get
-    binaries of their own in one program, and the same configuration at another batch a
-    binary of its own too (the compile is per operand shapes)."""
+def modules(text):
+    return re.findall(rf'custom_call @{TARGET}\(.*?module = "(.*?)"', text)
+
+
+def test_one_binary_per_configuration_for_every_batch():
+    """A configuration compiles once: two batch sizes, cache sizes and a stacked call at
+    another layer count share its binary (and the second lowering compiles nothing);
+    configurations that differ in a compiled-in scalar (eps) or the split get their own."""
     base = KdaConfig(heads=2, tokens=4, split=2)
-    configs = [base, dataclasses.replace(base, eps=1e-3), dataclasses.replace(base, split=1)]
-    params, cache, inputs = example(base)
-    _, _, small = example(base, batch=2)
+    others = [dataclasses.replace(base, eps=1e-3), dataclasses.replace(base, split=1)]
 
     def program(params, cache, inputs, small):
         outs = []
-        for config in configs:
+        for config in [base] + others:
             out, cache = fused_verify(params, cache, inputs, config, backend="cutedsl")
             outs.append(out)
         out, cache = fused_verify(params, cache, small, base, backend="cutedsl")
         return outs + [out], cache
 
-    exported = export.export(jax.jit(program), platforms=["cuda"], disabled_checks=[
-        export.DisabledSafetyCheck.custom_call(TARGET)])(
-            shapes(params), shapes(cache), shapes(inputs), shapes(small))
-    modules = re.findall(rf'custom_call @{TARGET}\(.*?module = "(.*?)"',
-                         exported.mlir_module())
-    assert len(modules) == 4 and len(set(modules)) == 4
+    params, cache, inputs = example(base)
+    _, _, small = example(base, batch=2)
+    found = modules(exported(program, *map(shapes, (params, cache, inputs, small)))
+                    .mlir_module())
+    assert len(found) == 4 and len(set(found)) == 3 and found[0] == found[3]
+
+    step = lambda p, c, i: fused_verify(p, c, i, base, backend="cutedsl")
+    _, bigger, five = example(base, batch=5)
+    bigger = jax.tree.map(lambda a: jnp.concatenate([a, a]), bigger)  # S = 10, R = 8
+    start = time.perf_counter()
+    again = modules(exported(step, *map(shapes, (params, bigger, five))).mlir_module())
+    assert time.perf_counter() - start < 2.0, "a new batch size compiled the kernel again"
+    assert again == found[:1]
+
+
+def test_symbolic_batch_exports():
+    """jax.export with a symbolic batch size B lowers the kernel (split given)."""
+    config = KdaConfig(heads=2, tokens=4, split=1)
+    params, cache, inputs = example(config)
+    B, = export.symbolic_shape("B")
+    symbolic = jax.tree.map(lambda a: jax.ShapeDtypeStruct((B,) + a.shape[1:], a.dtype),
+                            shapes(inputs))
+    text = exported(lambda p, c, i: fused_verify(p, c, i, config, backend="cutedsl"),
+                    shapes(params), shapes(cache), symbolic).mlir_module()
+    assert text.count(f"stablehlo.custom_call @{TARGET}") == 1
+    with pytest.raises(ValueError, match="a symbolic batch size .* needs an explicit split"):
+        exported(lambda p, c, i: fused_verify(p, c, i, dataclasses.replace(config, split=None),
+                                              backend="cutedsl"),
+                 shapes(params), shapes(cache), symbolic)
+
+
+def test_exported_step_round_trips():
+    """A step taking the library's pytrees serializes and deserializes (the pytrees are
+    registered for jax.export), keeping its custom call."""
+    config = KdaConfig(heads=2, tokens=4, split=2)
+    params, cache, inputs = example(config)
+    step = exported(lambda p, c, i: fused_verify(p, c, i, config, backend="cutedsl"),
+                    *map(shapes, (params, cache, inputs)))
+    back = export.deserialize(step.serialize())
+    assert back.in_tree == step.in_tree and back.out_tree == step.out_tree
+    assert back.mlir_module().count(f"stablehlo.custom_call @{TARGET}") == 1
+
+
+def test_cutedsl_on_the_cpu_raises_a_clear_error():
+    config = KdaConfig(heads=2, tokens=4, split=2)
+    with pytest.raises(ValueError, match=r"backend='cutedsl': the CuTe DSL kernel runs on "
+                                         r"CUDA GPUs .* lowered for \('cpu',\)"):
+        jax.jit(functools.partial(fused_verify, config=config, backend="cutedsl")).lower(
+            *example(config))
+
+
+def test_vmap_of_the_kernel_path_folds_into_the_batch():
+    """Under jax.vmap the kernel path lowers as one custom call over the folded batch."""
+    config = KdaConfig(heads=2, tokens=4, split=2)
+    params, cache, inputs = example(config, batch=2)
+    mapped = jax.tree.map(lambda a: jnp.stack([a, a]), inputs)
+    step = jax.vmap(lambda i: fused_verify(params, cache, i, config, backend="cutedsl"),
+                    out_axes=(0, None))
+    text = exported(step, shapes(mapped)).mlir_module()
+    assert text.count(f"stablehlo.custom_call @{TARGET}") == 1
+    assert "tensor<4x4x2x128xbf16>" in text  # the output of B = 2 x 2 folded requests
+
+
+def test_operand_table_is_the_kernels_and_the_docs():
+    """The kernel's __call__ takes the table's operands (its fakes compile, in order, in
+    `compile_kernel`); docs/design.md holds the table as `operands.table()` writes it;
+    every cache field is a read-write operand aliased to an output."""
+    assert operands.table() in DESIGN.read_text()
+    assert [op.name for op in operands.OPERANDS if op.tree == "cache"] == list(CACHE)
+    assert all(op.access == operands.READ_WRITE for op in operands.OPERANDS
+               if op.tree == "cache")
+    assert sorted(operands.ALIASES.values()) == [1, 2, 3, 4, 5]
 
 
 def test_compiles_without_spills():
     """Two corners of the configuration space compile for sm_90a with no local memory
-    (`python -m jax_kda.kernels` compiles them all)."""
+    (`python -m jax_kda.kernels` compiles them all; CI runs it)."""
     from jax_kda.kernels.__main__ import main
 
-    assert main(["--arch", "sm_90a", "--heads", "2", "--only", "2,0,1", "--only", "8,1,8"]) == 0
+    assert main(["--arch", "sm_90a", "--heads", "2", "--only", "2,0,1", "--only", "8,1,8",
+                 "--jobs", "1"]) == 0
 
 
 def test_timeline_build_compiles():
-    """The diagnostic build of tests/gpu_timeline.py (phase stamps into one more operand)
-    compiles for sm_90a."""
+    """The diagnostic build (phase stamps into one more operand) compiles for sm_90a."""
     from jax_kda.kernels import compile_verify
 
     assert compile_verify(KdaConfig(heads=2, tokens=4), 2, True, "float32", "float32",
@@ -125,21 +207,21 @@ def test_solo_ctas(heads, batch, split, expected):
 def test_solo_build_takes_an_sm():
     """The solo build asks for more than half an SM's shared memory (no second CTA
     fits), the default build for its own need only (two fit)."""
+    from jax_kda.config import SM_SHARED, SOLO_SHARED
     from jax_kda.kernels import verify_kernel
-    from jax_kda.kernels.fused import SOLO_SHARED
 
     kernel = verify_kernel(KdaConfig(heads=32, tokens=4), 1, True)
-    assert 2 * (kernel.shared_bytes() + 1024) <= 228 * 1024 < 2 * (SOLO_SHARED + 1024)
+    assert 2 * (kernel.shared_bytes() + 1024) <= SM_SHARED < 2 * (SOLO_SHARED + 1024)
 
 
 def test_kernel_split_fits_the_shared_memory():
-    """Long records outgrow one CTA's shared memory at split 1 (248 KiB for RQ = 64):
-    split None moves up to the next split that fits, an explicit split 1 is refused
-    with the need named; at RQ = T the heuristic's split stands."""
+    """Long records outgrow one CTA's shared memory at split 1 (RQ = 64): split None
+    moves up to the next split that fits, an explicit split 1 is refused with the need
+    named; at RQ = T the heuristic's split stands."""
     long = KdaConfig(heads=2, tokens=2, record_tokens=64)
     assert choose_split(64 * 2, 132) == 1
     assert kernel_split(long, 64, sms=132) == 2
-    with pytest.raises(ValueError, match=r"split=1 needs 248 KiB of shared memory"):
+    with pytest.raises(ValueError, match=r"split=1 needs 2\d\d KiB of shared memory"):
         kernel_split(dataclasses.replace(long, split=1), 64)
     assert kernel_split(KdaConfig(heads=32, tokens=8), 64, sms=132) == 1
 
@@ -148,11 +230,13 @@ def test_eager_rejects_a_wrong_shape_before_any_launch():
     config = KdaConfig(heads=2, tokens=4)
     params, cache, inputs = jax.tree.map(np.asarray, example(config))
     out = np.zeros((3, 4, 2, 128), jnp.bfloat16)
-    bad = cache.__class__(cache.state[:, :1], cache.conv, cache.corrections,
-                          cache.key_gates, cache.pending)
+    bad = dataclasses.replace(cache, state=cache.state[:, :1])
     with pytest.raises(ValueError, match=r"state: expected \[5, 2, 128, 128\] float32, "
                                          r"got \[5, 1, 128, 128\] float32"):
         eager_verify(params, bad, inputs, out, config)
+    with pytest.raises(ValueError, match=r"pending: expected \[4, 2\] int32, got \[4\] int32"):
+        eager_verify(params, dataclasses.replace(cache, pending=cache.pending[:, 0]), inputs,
+                     out, config)
     with pytest.raises(ValueError, match=r"out: expected \[3, 4, 2, 128\] bfloat16"):
         eager_verify(params, cache, inputs, out.astype(np.float32), config)
     with pytest.raises(TypeError, match="stream: expected None, an int handle"):

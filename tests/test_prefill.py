@@ -1,6 +1,7 @@
-"""Parity of `jax_kda.prefill` (chunks of the WY form) with `reference.stock_prefill`
-(the per-token scan), and of a decode that starts from a prefill with the stock
-recurrence run over the whole sequence token by token."""
+"""Parity of `jax_kda.prefill` (chunks of the WY form) and of `ref.stock_prefill` (the
+per-token scan) with the float64 NumPy model's prefill, and of a decode that starts
+from a prefill with the model's prefill over the whole sequence token by token."""
+import dataclasses
 import functools
 
 import numpy as np
@@ -8,27 +9,36 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from jax_kda import KdaCache, KdaConfig, PrefillInputs, accept, flush, fused_verify, prefill
-from jax_kda.reference import stock_prefill
-from jax_kda.testing import random_accepted, random_cache, random_inputs, random_params
+import numpy_model
+from compare import assert_out_close, assert_same_bits, assert_scaled_close
+from jax_kda import KdaConfig, PrefillInputs, accept, flush, fused_verify, prefill
+from jax_kda.ref import stock_prefill
 
-# Worst |actual - expected| allowed, as rtol * |expected| + atol.
+# Worst error allowed against the float64 model (units of compare.py: outputs relative
+# to |e| + their row's mean |e|, states relative to the buffer's max |e|).
 TOLERANCES = {
-    # an o_t whose bf16 rounding flips moves by one ulp (<= 2^-7 relative) and the
-    # output's own rounding may land one ulp further; near zero FP32 order shows.
-    "out": dict(rtol=2**-6, atol=1e-5),
-    # FP32 state: chunked vs per-token summation order over <= 47 tokens of O(1) terms.
-    "state": dict(rtol=1e-5, atol=2e-5),
+    # an o_t (or SiLU output) whose bf16 rounding flips moves an output by a few ulps
+    # of 2^-8 of its row's scale.
+    "out": 4 * 2**-8,
+    # FP32 state over <= 47 tokens of O(1) terms, in chunked or per-token order.
+    "state": 1e-5,
 }
 
 NUM_SLOTS, NUM_RECORDS, HEADS = 10, 8, 2
 LENGTHS = (1, 2, 3, 17, 40, 0)  # the 0 is a live request with an empty prompt
-stock = jax.jit(stock_prefill, static_argnames="config")
+IMPLEMENTATIONS = {"xla": prefill, "stock": jax.jit(stock_prefill, static_argnames="config")}
 verify = functools.partial(fused_verify, backend="jax")
 
 
 def f32(a):
     return np.asarray(a, np.float32)
+
+
+def assert_close(name, actual, expected):
+    if name == "out":
+        assert_out_close(actual, expected, TOLERANCES["out"])
+    else:
+        assert_scaled_close(actual, expected, TOLERANCES[name], name)
 
 
 def random_prompts(rng, config, lengths, slots, record_rows, width):
@@ -49,24 +59,22 @@ def random_prompts(rng, config, lengths, slots, record_rows, width):
 
 
 def poisoned(cache):
-    """NaN in every state (a prefill must start from zeros, not read a slot)."""
-    return KdaCache(jnp.full_like(cache.state, jnp.nan), cache.conv, cache.corrections,
-                    cache.key_gates, cache.pending)
+    """NaN in every state and in the window's first three positions (a prefill starts
+    from a zero state and zero history, it reads no slot)."""
+    return dataclasses.replace(cache, state=jnp.full_like(cache.state, jnp.nan),
+                               conv=cache.conv.at[..., :3].set(jnp.nan))
 
 
-def assert_close(name, actual, expected):
-    np.testing.assert_allclose(f32(actual), f32(expected), err_msg=name, **TOLERANCES[name])
-
-
+@pytest.mark.parametrize("name", list(IMPLEMENTATIONS))
 @pytest.mark.parametrize("gate_mode,conv_dtype,conv_bias", [
     (0, jnp.float32, True), (1, jnp.bfloat16, False)], ids=["mode0-f32", "mode1-bf16-nobias"])
-def test_prefill_matches_stock(gate_mode, conv_dtype, conv_bias):
-    """Lengths 0..40 in one batch (L = 41, not a multiple of the chunk) with a padding
-    row; outputs, checkpoint, window, pending against the stock scan; nothing else moves."""
+def test_prefill_matches_model(gate_mode, conv_dtype, conv_bias, name, draw):
+    """Lengths 0..40 in one batch (P = 41, not a multiple of the chunk) with a padding
+    row; outputs, checkpoint, window, pending against the model; nothing else moves."""
     config = KdaConfig(heads=HEADS, tokens=4, gate_mode=gate_mode)
-    keys = jax.random.split(jax.random.PRNGKey(11 + gate_mode), 2)
-    params = random_params(keys[0], config, conv_dtype=conv_dtype, conv_bias=conv_bias)
-    cache = poisoned(random_cache(keys[1], config, NUM_SLOTS, NUM_RECORDS))
+    params = draw.params(draw.key(11 + gate_mode), config, conv_dtype=conv_dtype,
+                         conv_bias=conv_bias)
+    cache = poisoned(draw.cache(draw.key(21 + gate_mode), config, NUM_SLOTS, NUM_RECORDS))
     rng = np.random.default_rng(gate_mode)
     slots = rng.permutation(np.arange(1, NUM_SLOTS))[:len(LENGTHS) + 1]
     slots[-1] = 0  # a padding row
@@ -75,18 +83,20 @@ def test_prefill_matches_stock(gate_mode, conv_dtype, conv_bias):
     lengths = LENGTHS + (5,)
     inputs = random_prompts(rng, config, lengths, slots, rows, max(LENGTHS) + 1)
 
-    out, new = prefill(params, cache, inputs, config)
-    expected_out, expected = stock(params, cache, inputs, config)
+    out, new = IMPLEMENTATIONS[name](params, cache, inputs, config)
+    expected_out, expected = numpy_model.prefill(params, cache, inputs, config)
 
     valid = (np.arange(inputs.x.shape[1])[None] < np.asarray(lengths)[:, None])
     valid[-1] = False
-    assert np.all(f32(out)[~valid] == 0), "outputs past a prompt or of a padding row"
-    assert_close("out", f32(out)[valid], f32(expected_out)[valid])
+    assert_same_bits(f32(out)[~valid], np.zeros_like(f32(out)[~valid]),
+                     "outputs past a prompt or of a padding row")
+    assert np.all(np.isfinite(expected_out))
+    assert_close("out", f32(out)[valid], expected_out[valid])
     live = slots[slots > 0]
     assert_close("state", new.state[live], expected.state[live])
     assert np.all(f32(new.state)[slots[:-1][np.asarray(LENGTHS) == 0]] == 0)
-    for name in ("conv", "pending"):
-        np.testing.assert_array_equal(f32(getattr(new, name)), f32(getattr(expected, name)))
+    for field in ("conv", "pending", "corrections", "key_gates"):
+        assert_same_bits(getattr(new, field), getattr(expected, field), field)
     x = np.nan_to_num(f32(inputs.x))
     for b, (slot, n) in enumerate(zip(slots[:-1], lengths[:-1])):
         window = np.concatenate([np.zeros((3,) + x.shape[2:]), x[b, :n]])[-3:]
@@ -95,13 +105,13 @@ def test_prefill_matches_stock(gate_mode, conv_dtype, conv_bias):
     reset = rows[(rows >= 0) & (slots > 0)]
     assert np.all(f32(new.pending)[reset] == 0)
     untouched = np.setdiff1d(np.arange(NUM_SLOTS), live)
-    np.testing.assert_array_equal(f32(new.state)[untouched], f32(cache.state)[untouched])
-    np.testing.assert_array_equal(f32(new.conv)[untouched], f32(cache.conv)[untouched])
-    np.testing.assert_array_equal(f32(new.conv)[..., 3:], f32(cache.conv)[..., 3:])
+    assert_same_bits(f32(new.state)[untouched], f32(cache.state)[untouched], "state")
+    assert_same_bits(f32(new.conv)[untouched], f32(cache.conv)[untouched], "conv")
+    assert_same_bits(f32(new.conv)[..., 3:], f32(cache.conv)[..., 3:], "conv past 3")
     keep = np.setdiff1d(np.arange(NUM_RECORDS), reset)
-    np.testing.assert_array_equal(f32(new.pending)[keep], f32(cache.pending)[keep])
-    np.testing.assert_array_equal(f32(new.corrections), f32(cache.corrections))
-    np.testing.assert_array_equal(f32(new.key_gates), f32(cache.key_gates))
+    assert_same_bits(np.asarray(new.pending)[keep], np.asarray(cache.pending)[keep], "pending")
+    assert_same_bits(new.corrections, cache.corrections, "corrections")
+    assert_same_bits(new.key_gates, cache.key_gates, "key_gates")
 
 
 def concatenate(parts, lengths, width):
@@ -115,35 +125,36 @@ def concatenate(parts, lengths, width):
     return jnp.asarray(out, jnp.bfloat16)
 
 
-def test_decode_after_prefill_matches_stock_sequence():
+def test_decode_after_prefill_matches_model_sequence(draw):
     """prefill, verify, accept, verify, accept, flush: every output and the final
-    checkpoint equal the stock scan over prompt + accepted tokens, from zero."""
+    checkpoint equal the model's prefill over prompt + accepted tokens, from zero."""
     config = KdaConfig(heads=HEADS, tokens=4)
     T = config.tokens
-    keys = jax.random.split(jax.random.PRNGKey(5), 4)
-    params = random_params(keys[0], config)
-    cache = poisoned(random_cache(keys[1], config, NUM_SLOTS, NUM_RECORDS))
+    keys = [draw.key(5 + i) for i in range(4)]
+    params = draw.params(keys[0], config)
+    cache = poisoned(draw.cache(keys[1], config, NUM_SLOTS, NUM_RECORDS))
     slots, rows = np.array([3, 0, 6, 1]), np.array([4, 2, 0, 5])
     prompt_lengths = np.array([1, 7, 3, 18])
     rng = np.random.default_rng(5)
     prompts = random_prompts(rng, config, prompt_lengths, slots, rows, 18)
-    width = 18 + 2 * T  # one stock compile serves every comparison
+    width = 18 + 2 * T  # the whole sequence fits
 
     _, cache = prefill(params, cache, prompts, config)
     fields = ("x", "f_a", "beta", "gate")
     sequence = [getattr(prompts, f) for f in fields]
     kept = prompt_lengths
     for key in keys[2:]:
-        inputs = random_inputs(key, config, slots, rows)
+        inputs = draw.inputs(key, config, jnp.asarray(slots, jnp.int32),
+                             jnp.asarray(rows, jnp.int32))
         out, cache = verify(params, cache, inputs, config)
-        accepted = random_accepted(rng, rows, T)
-        cache = accept(cache, inputs.record_rows, accepted)
+        accepted = jnp.asarray(rng.integers(1, T + 1, size=len(rows)), jnp.int32)
+        cache = accept(cache, inputs.record_rows, accepted, config)
         full = [concatenate([s, getattr(inputs, f)], [kept, np.full(4, T)], width)
                 for s, f in zip(sequence, fields)]
-        expected_out, expected = stock(
+        expected_out, expected = numpy_model.prefill(
             params, cache, PrefillInputs(*full, jnp.asarray(kept + T, jnp.int32),
                                          prompts.slots, prompts.record_rows), config)
-        out, expected_out = f32(out), f32(expected_out)
+        out = f32(out)
         for b in np.flatnonzero(slots > 0):
             assert_close("out", out[b], expected_out[b, kept[b]:kept[b] + T])
         sequence = [concatenate([s, getattr(inputs, f)], [kept, np.asarray(accepted)], width)
@@ -151,31 +162,57 @@ def test_decode_after_prefill_matches_stock_sequence():
         kept = kept + np.asarray(accepted)
 
     cache = flush(params, cache, prompts.slots, prompts.record_rows, config)
-    _, expected = stock(params, cache, PrefillInputs(*sequence, jnp.asarray(kept, jnp.int32),
-                                                     prompts.slots, prompts.record_rows),
-                        config)
+    _, expected = numpy_model.prefill(
+        params, cache, PrefillInputs(*sequence, jnp.asarray(kept, jnp.int32), prompts.slots,
+                                     prompts.record_rows), config)
     live = slots[slots > 0]
     assert_close("state", cache.state[live], expected.state[live])
-    np.testing.assert_array_equal(f32(cache.conv[live, ..., :3]),
-                                  f32(expected.conv[live, ..., :3]))
+    assert_same_bits(cache.conv[live, ..., :3], expected.conv[live, ..., :3], "window")
+    assert_same_bits(np.asarray(cache.pending)[rows[slots > 0]],
+                     np.zeros((len(live), HEADS), np.int32), "pending after flush")
+
+
+def test_lengths_are_clamped(draw):
+    # a negative length is an empty prompt, one past P the whole prompt (NaN past P:
+    # none exists, random_prompts pads only up to the given width)
+    config = KdaConfig(heads=HEADS, tokens=4)
+    params = draw.params(draw.key(31), config)
+    cache = poisoned(draw.cache(draw.key(32), config, NUM_SLOTS, NUM_RECORDS))
+    rng = np.random.default_rng(31)
+    inputs = random_prompts(rng, config, [0, 5], [2, 4], [1, 3], 5)
+    out, new = prefill(params, cache, inputs, config)
+    wild = dataclasses.replace(inputs, lengths=jnp.asarray([-2, 12], jnp.int32))
+    out_wild, new_wild = prefill(params, cache, wild, config)
+    assert_same_bits(out_wild, out, "out")
+    for field in ("state", "conv", "corrections", "key_gates", "pending"):
+        assert_same_bits(getattr(new_wild, field), getattr(new, field), field)
+    expected_out, expected = numpy_model.prefill(params, cache, wild, config)
+    assert_close("out", out_wild, expected_out)
+    assert_close("state", np.asarray(new_wild.state)[[2, 4]], expected.state[[2, 4]])
 
 
 @pytest.mark.parametrize("field,value,error,match", [
-    ("inputs", None, TypeError, "inputs: expected a PrefillInputs"),
+    ("inputs", None, TypeError, "^inputs: expected a PrefillInputs, got NoneType$"),
     ("x", jnp.zeros((2, 5, 3, HEADS, 128), jnp.float32), ValueError,
-     r"x: expected \[B, L, 3, H=2, 128\] bfloat16, got \[2, 5, 3, 2, 128\] float32"),
+     r"^x: expected \[B, P, 3, H=2, 128\] bfloat16, got \[2, 5, 3, 2, 128\] float32$"),
     ("f_a", jnp.zeros((2, 4, 128), jnp.bfloat16), ValueError,
-     r"f_a: expected \[B=2, L=5, 128\] bfloat16, got \[2, 4, 128\]"),
+     r"^f_a: expected \[B=2, P=5, 128\] bfloat16, got \[2, 4, 128\] bfloat16$"),
+    ("beta", jnp.zeros((2, 5, 3), jnp.bfloat16), ValueError,
+     r"^beta: expected \[B=2, P=5, H=2\] bfloat16, got \[2, 5, 3\] bfloat16$"),
+    ("gate", jnp.zeros((2, 5, 2, 128), jnp.float32), ValueError,
+     r"^gate: expected \[B=2, P=5, H=2, 128\] bfloat16, got \[2, 5, 2, 128\] float32$"),
     ("lengths", jnp.zeros((3,), jnp.int32), ValueError,
-     r"lengths: expected \[B=2\] int32, got \[3\] int32"),
+     r"^lengths: expected \[B=2\] int32, got \[3\] int32$"),
     ("slots", jnp.zeros((2,), jnp.float32), ValueError,
-     r"slots: expected \[B=2\] int32, got \[2\] float32"),
-], ids=["not-inputs", "x-dtype", "f_a-length", "lengths-size", "slots-dtype"])
-def test_prefill_rejects_bad_arguments(field, value, error, match):
+     r"^slots: expected \[B=2\] int32, got \[2\] float32$"),
+    ("record_rows", jnp.zeros((2, 1), jnp.int32), ValueError,
+     r"^record_rows: expected \[B=2\] int32, got \[2, 1\] int32$"),
+], ids=["not-inputs", "x-dtype", "f_a-length", "beta-heads", "gate-dtype", "lengths-size",
+        "slots-dtype", "record_rows-rank"])
+def test_prefill_rejects_bad_arguments(field, value, error, match, draw):
     config = KdaConfig(heads=HEADS, tokens=4)
-    keys = jax.random.split(jax.random.PRNGKey(3), 2)
-    params = random_params(keys[0], config)
-    cache = random_cache(keys[1], config, NUM_SLOTS, NUM_RECORDS)
+    params = draw.params(draw.key(3), config)
+    cache = draw.cache(draw.key(4), config, NUM_SLOTS, NUM_RECORDS)
     inputs = random_prompts(np.random.default_rng(3), config, [5, 2], [1, 2], [0, 1], 5)
     if field == "inputs":
         inputs = value

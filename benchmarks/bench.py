@@ -1,30 +1,40 @@
-"""Benchmark of the KDA speculative verify (issue 5): our fused kernel against the same
-operation through XLA and against the flash-linear-attention stock pipeline, on an
-H100/H200; a dry run on CPU with --quick.
+"""Benchmark of the KDA speculative verify on an H100 or H200: our fused kernel against
+the same operation through XLA (the XLA backend and the stock reference) and against
+the flash-linear-attention stock pipeline, and what a JAX decoder gets from it.
 
-    python benchmarks/bench.py --out DIR [--quick] [--budget-s 400]
+    python benchmarks/bench.py --out results              # on the GPU: 520 s by default
+    python benchmarks/bench.py --out /tmp/bench --quick   # a CPU dry run: small sizes
 
-In order, each step only while the time budget allows (the device call has 8 minutes;
-a watchdog writes the results and exits 30 s past the budget):
-1. correctness first: per T, our kernel (eager DLPack, every split at T = 4, and
-   jitted), stock_verify and the fla pipeline against reference.chunked_verify on one
-   point; worst errors printed, a disagreeing implementation is flagged in every table;
+It needs jax-kda with its `cuda` extra; torch runs the eager kernel's timings and,
+with fla-core, the fla peer (where one is missing, its rows say so and are left out).
+In order, each step only while the time budget (--budget-s) allows; a watchdog writes
+the results and exits 30 s past it:
+1. correctness first: per T, our kernel (eager DLPack with its output poisoned, every
+   split at T = 4, and jitted), the XLA backend and stock_verify on the GPU, and the fla
+   pipeline, against both references run on the CPU: the stock per-token recurrence
+   (`jax_kda.ref.stock_verify`) and the XLA backend (`fused_verify(...,
+   backend="jax")`); worst errors printed, an implementation that disagrees with either
+   is flagged in every table;
 2. the device-to-device copy bandwidth (the ceiling of every fraction);
 3. H heads (32: a Kimi-Linear layer), T = 4, B in 1..256: our kernel (eager: CUDA
    events per launch and CUDA-graph replay; jitted fused_verify in a lax.fori_loop),
-   chunked_verify in XLA (fori_loop), the fla recurrence alone and the whole fla pipeline;
-4. a jitted step of 20 layers calling fused_verify per layer, XLA command buffers (CUDA
-   graphs) off and on, each in a subprocess, against the same layers through the raw
-   kernel in that process: JAX's overhead per call;
+   the XLA backend (fori_loop), the fla recurrence alone and the whole fla pipeline;
+4. the decoder step (`decoder.py`): 20 layers under `jax.lax.scan` over stacked params
+   and cache and as a Python list of layers, jitted with the cache donated, compile
+   and step times, once with XLA's command buffers on (its default) and once off, each
+   in a subprocess;
 5. the fixed splits at T = 4; 6. T = 2 and 8 for our kernel and fla; 7. stock_verify at
    B = 1, 64; 8. the fixed splits at T = 2, 8; 9. T = 2, 8 under XLA.
 
-XLA's compiles of the references' timed loops (10-15 s each at B >= 16 on the H200, with
-their autotuning) run on two threads during step 1, and are all done before anything is
-timed.
+XLA's compiles of the references' timed loops (10-15 s each at B >= 16 on the H200,
+with their autotuning) run on two threads during step 1 and are all done before
+anything is timed.
 
 Operand sets rotate (distinct state slots and inputs, and for ours eager and fla a copy of
 the weights per set) so that a repeated call does not find its state or weights in L2.
+A verify leaves its record rows awaiting an accept, so that every timed call replays as
+many tokens as the first: each jitted verify is followed by `accept`, and the eager
+kernel's pending counts are restored between timed launches, outside the timing.
 Writes DIR/results.json (after every step), DIR/log.txt, DIR/RESULTS.md and
 DIR/bench.png; prints a short table last.
 """
@@ -37,6 +47,7 @@ os.environ.setdefault("FLA_DISABLE_BACKEND_DISPATCH", "1")  # fla's Triton kerne
 
 import argparse
 import concurrent.futures
+import dataclasses
 import datetime
 import functools
 import importlib.metadata
@@ -50,9 +61,9 @@ import threading
 import time
 import traceback
 
-LAYERS = 20  # KDA layers of Kimi-Linear
-CMDBUF_FLAGS = {"off": "--xla_gpu_enable_command_buffer=", "on": ""}  # "on": XLA's default
-FLA_ISSUE_US = {1: 11.5, 64: 221.0, 256: 976.0}  # issue 5's fla stock verify at H=32, T=4
+# "on" (XLA's default, the targets' setting) first, so that a short budget keeps it
+CMDBUF_FLAGS = {"on": "", "off": "--xla_gpu_enable_command_buffer="}
+DECODER = pathlib.Path(__file__).resolve().parent / "decoder.py"
 
 import jax
 import jax.numpy as jnp
@@ -61,12 +72,19 @@ import numpy as np
 import measure  # benchmarks/, on sys.path as the script's folder
 import peers
 import report
-from jax_kda import KdaConfig, VerifyInputs, flush, fused_verify
-from jax_kda.reference import chunked_verify, stock_verify
+from jax_kda import KdaConfig, accept, flush, fused_verify
+from jax_kda.ref import stock_verify
 from jax_kda.testing import random_cache, random_inputs, random_params
 from jax_kda.verify import cutedsl_supported
 
 stock_jit = jax.jit(stock_verify, static_argnames="config")
+xla_verify = functools.partial(fused_verify, backend="jax")
+xla_jit = jax.jit(xla_verify, static_argnames="config")
+# The references of the correctness step, on the CPU: XLA on a GPU drops f32 -> bf16 ->
+# f32 round trips, i.e. some of the stock roundings.
+REFERENCES = {"stock": stock_jit, "xla": xla_jit}
+CPU = jax.devices("cpu")[0]
+SAME_AS = {"xla": "xla", "stock-xla": "stock"}  # the reference each timed XLA program is
 
 
 class Log:
@@ -90,9 +108,7 @@ def problem(config: KdaConfig, B: int, nsets: int, seed: int):
     cache = random_cache(kc, config, 1 + nsets * B, nsets * B)
     rows = jnp.arange(nsets * B, dtype=jnp.int32)
     full = random_inputs(ki, config, rows + 1, rows)
-    sets = [VerifyInputs(*(getattr(full, f)[s * B:(s + 1) * B] for f in
-                           ("x", "f_a", "beta", "gate", "slots", "record_rows")))
-            for s in range(nsets)]
+    sets = [jax.tree.map(lambda a: a[s * B:(s + 1) * B], full) for s in range(nsets)]
     return params, cache, sets
 
 
@@ -103,17 +119,19 @@ def make_problem(config: KdaConfig, B: int, nsets: int, seed: int):
 
 def loop_operands(config: KdaConfig, B: int, nsets: int, seed: int):
     """The timed fori_loop's operands: weights, cache, the first set's token inputs, and
-    every set's slots and record rows, stacked (traceable: eval_shape gives the shapes
-    its compile needs)."""
+    every set's slots, record rows and accepted counts (their pending counts at the
+    start, so that each accept restores them), stacked (traceable: eval_shape gives the
+    shapes its compile needs)."""
     params, cache, sets = problem(config, B, nsets, seed)
     return (params, cache, sets[0], jnp.stack([s.slots for s in sets]),
-            jnp.stack([s.record_rows for s in sets]))
+            jnp.stack([s.record_rows for s in sets]),
+            jnp.stack([cache.pending[s.record_rows, 0] for s in sets]))
 
 
 def accepted_tokens(cache, inputs):
     """(sum of n, requests with n > 0) over the requests of `inputs`: what the replay
-    moves."""
-    n = np.asarray(cache.pending)[np.asarray(inputs.record_rows)]
+    moves (every head of a record row has the same count)."""
+    n = np.asarray(cache.pending)[np.asarray(inputs.record_rows), 0]
     return int(n.sum()), int((n > 0).sum())
 
 
@@ -144,7 +162,10 @@ def to_numpy(array):
     return np.asarray(jnp.asarray(array, jnp.float32))
 
 
-OUT_TOL, STATE_TOL = 2e-2, 1e-4  # bf16 outputs; FP32 state up to summation order
+# Relative L2 error allowed per field: bf16 outputs, keys and raw gates; the FP32 state
+# and corrections up to summation order; the window and pending are copies.
+TOLERANCES = {"out": 2e-2, "state": 1e-4, "corrections": 1e-4, "key_gates": 2e-2,
+              "conv": 0.0, "pending": 0.0}
 
 
 class Bench:
@@ -155,11 +176,10 @@ class Bench:
         self.eager_why = peers.kernel_eager_unavailable(self.torch)
         self.fla_why = peers.fla_unavailable(self.torch)
         self.kernel_jit = "cutedsl" if cutedsl_supported() else None
-        self.jit_backend = self.kernel_jit or ("jax" if args.quick else None)
         self.costs = {}
         self.programs = {}
         self.results = {"meta": self.meta(), "correctness": [], "points": [],
-                        "layers20": [], "memory": [], "targets": [], "skipped": []}
+                        "decoder": [], "memory": [], "targets": [], "skipped": []}
         self.flagged = set()
 
     # -- bookkeeping ------------------------------------------------------------------
@@ -218,7 +238,7 @@ class Bench:
             self.results["points"].append(row)
             if "us" in row:
                 self.log(f"  {what:<44} {row['us']:9.2f} us  {row.get('tbps', 0):6.3f} TB/s"
-                         f"  {100 * row.get('frac', 0):5.1f}% of copy  {row.get('note', '')}")
+                         f"  {100 * (row.get('frac') or 0):5.1f}% of copy  {row.get('note', '')}")
         self.save()
 
     def point(self, impl, T, B, split, seconds, nbytes, **extra):
@@ -230,7 +250,7 @@ class Bench:
             row["frac"] = row["tbps"] / copy if copy else None
         checked = f"{impl}[split={split}]" if isinstance(split, int) else impl
         if checked in self.flagged or (impl == "fla-recurrence" and "fla-pipeline" in self.flagged):
-            row["flag"] = "disagrees with chunked_verify"
+            row["flag"] = "disagrees with a reference"
         row.update(extra)
         return row
 
@@ -241,25 +261,31 @@ class Bench:
         config = KdaConfig(heads=H, tokens=T)
         params, cache, sets = make_problem(config, B, 1, seed=100 + T)
         inputs = sets[0]
-        ref_out, ref_cache = chunked_verify(params, cache, inputs, config)
-        ref_out = to_numpy(ref_out)
-        cache_fields = ("state", "conv", "corrections", "key_gates")
+        on_cpu = jax.device_put((params, cache, inputs), CPU)
+        references = {}
+        for name, fn in REFERENCES.items():
+            out, new = fn(*on_cpu, config=config)
+            references[name] = (to_numpy(out), {f: to_numpy(getattr(new, f))
+                                                for f in TOLERANCES if f != "out"})
 
         def check(impl, out, new_cache=None):
-            rows = [compare("out", to_numpy(out), ref_out, OUT_TOL)]
-            for name in cache_fields if new_cache is not None else ():
-                tol = STATE_TOL if name in ("state", "corrections") else OUT_TOL
-                rows.append(compare(name, to_numpy(getattr(new_cache, name)),
-                                    to_numpy(getattr(ref_cache, name)), tol))
-            worst = max(rows, key=lambda r: r["rel_l2"])
-            ok = all(r["ok"] for r in rows)
-            if not ok:
-                self.flagged.add(impl)
-            entry = {"impl": impl, "T": T, "B": B, "heads": H, "ok": ok, "worst": worst,
-                     "fields": rows}
-            self.results["correctness"].append(entry)
-            self.log(f"  T={T} {impl:<22} {'ok ' if ok else 'BAD'} worst {worst['field']}: "
-                     f"rel L2 {worst['rel_l2']:.2e}, max abs {worst['max_abs']:.2e}")
+            fields = [f for f in TOLERANCES if f == "out" or new_cache is not None]
+            got = {f: to_numpy(out if f == "out" else getattr(new_cache, f)) for f in fields}
+            for reference, (ref_out, ref_cache) in references.items():
+                if SAME_AS.get(impl) == reference and jax.devices()[0] == CPU:
+                    continue  # the same program on the same device: equal by construction
+                rows = [compare(f, got[f], ref_out if f == "out" else ref_cache[f],
+                                TOLERANCES[f]) for f in fields]
+                worst = max(rows, key=lambda r: r["rel_l2"])
+                ok = all(r["ok"] for r in rows)
+                if not ok:
+                    self.flagged.add(impl)
+                self.results["correctness"].append(
+                    {"impl": impl, "reference": reference, "T": T, "B": B, "heads": H,
+                     "ok": ok, "worst": worst, "fields": rows})
+                self.log(f"  T={T} {impl:<22} vs {reference:<5} {'ok ' if ok else 'BAD'} "
+                         f"worst {worst['field']}: rel L2 {worst['rel_l2']:.2e}, max abs "
+                         f"{worst['max_abs']:.2e}")
 
         def attempt(impl, fn):
             try:
@@ -280,10 +306,10 @@ class Bench:
             for split in self.args.splits if T == 4 else ():  # every variant timed at T=4
                 impl = f"ours-eager[split={split}]"
                 attempt(impl, lambda: eager(impl, split))
-        if self.jit_backend:
-            impl = "ours-jit" if self.kernel_jit else "ours-jit[jax]"
-            attempt(impl, lambda: check(impl, *fused_verify(
-                params, cache, inputs, config, backend=self.jit_backend)))
+        if self.kernel_jit:
+            attempt("ours-jit", lambda: check("ours-jit", *fused_verify(
+                params, cache, inputs, config, backend=self.kernel_jit)))
+        attempt("xla", lambda: check("xla", *xla_jit(params, cache, inputs, config=config)))
         if T in self.args.stock_tokens:
             attempt("stock-xla", lambda: check("stock-xla", *stock_jit(params, cache, inputs,
                                                                        config=config)))
@@ -310,9 +336,10 @@ class Bench:
 
     # -- 3. timed points ------------------------------------------------------------------
 
-    def torch_timings(self, fn, nsets, B):
+    def torch_timings(self, fn, nsets, B, reset=None):
         """events: one launch at a time; graph: replay of a captured launch sequence
-        (for B <= graph_max_batch)."""
+        (for B <= graph_max_batch). reset (our kernel's pending counts): run before each
+        launch, or each replay of one launch per set, outside the timing."""
         torch = self.torch
         fn(0)
         torch.cuda.synchronize()
@@ -322,12 +349,13 @@ class Bench:
         torch.cuda.synchronize()
         rough = (time.perf_counter() - start) / 5
         reps = int(min(200, max(10, 0.3 / max(rough, 1e-6))))
-        events = measure.torch_event_times(torch, fn, nsets, reps)
+        events = measure.torch_event_times(torch, fn, nsets, reps, reset=reset)
         graph, note = None, ""
         if B <= self.args.graph_max_batch:
-            calls = int(min(512, max(nsets, 2e-3 / max(events, 1e-7))))
+            calls = nsets if reset else int(min(512, max(nsets, 2e-3 / max(events, 1e-7))))
             try:
-                graph = measure.torch_graph_time(torch, fn, nsets, calls, replays=10)
+                graph = measure.torch_graph_time(torch, fn, nsets, calls, replays=10,
+                                                 reset=reset)
             except Exception as error:  # noqa: BLE001
                 note = f"graph capture failed: {type(error).__name__}: {str(error)[:120]}"
         return events, graph, note
@@ -336,21 +364,14 @@ class Bench:
         H = self.args.heads
         config = KdaConfig(heads=H, tokens=T, split=split)
         probe = measure.verify_bytes(H, T, B, B * T, B)["total"]
-        nsets = measure.rotation_sets(probe)
+        # each set is launched once per graph replay: its pending counts are restored
+        # between replays
+        nsets = measure.rotation_sets(probe, measure.MIN_LAUNCHES)
         params, cache, sets = make_problem(config, B, nsets, seed=B * 10 + T)
         n_total, writes = accepted_tokens(cache, sets[0])
         nbytes = measure.verify_bytes(H, T, B, n_total, writes)["total"]
         kernel = peers.KernelEager.rotating(self.torch, params, cache, sets, config)
-        events, graph, note = self.torch_timings(kernel, nsets, B)
-        serial = None
-        if graph and not split and T == 4 and B in self.args.layer_batches:
-            # as the 20-layer step's launches run under XLA: its overhead's other reference
-            calls = int(min(512, max(nsets, 2e-3 / max(events, 1e-7))))
-            try:
-                serial = measure.torch_child_graph_time(self.torch, kernel, nsets, calls,
-                                                        replays=10)
-            except Exception as error:  # noqa: BLE001
-                note += f"; child graphs failed: {type(error).__name__}: {str(error)[:120]}"
+        events, graph, note = self.torch_timings(kernel, nsets, B, reset=kernel.rearm)
         del kernel
         label = split if split else auto_split_label(config, B)
         rows = [self.point("ours-eager", T, B, label, events, nbytes, method="events",
@@ -358,9 +379,6 @@ class Bench:
         if graph:
             rows.append(self.point("ours-eager", T, B, label, graph, nbytes, method="graph",
                                    sets=nsets))
-        if serial:
-            rows.append(self.point("ours-eager", T, B, label, serial, nbytes,
-                                   method="child graphs", sets=nsets))
         return rows
 
     def fla_points(self, T, B):
@@ -386,25 +404,25 @@ class Bench:
         return rows
 
     def loop_program(self, fn, T, B, rotate=True):
-        """`fn` (fused_verify or a reference) in a jitted lax.fori_loop carrying the cache
-        (donated) and the output, compiled ahead of time for the shapes of its operands:
-        (compiled, compile seconds, operand sets, seed). rotate: the loop cycles the state
-        slots and record rows of the rotation sets (one small dynamic-slice per call); else
-        one set of B + 1 slots. The token inputs stay the same."""
+        """`fn` (fused_verify or a reference) and `accept` in a jitted lax.fori_loop
+        carrying the cache (donated) and the output, compiled ahead of time for the
+        shapes of its operands: (compiled, compile seconds, operand sets, seed). rotate:
+        the loop cycles the state slots, record rows and accepted counts of the rotation
+        sets (small dynamic slices per call); else one set of B + 1 slots. The token
+        inputs stay the same."""
         H = self.args.heads
         config = KdaConfig(heads=H, tokens=T)
         probe = measure.verify_bytes(H, T, B, B * T, B)["total"]
         nsets = measure.rotation_sets(probe) if rotate else 1
         seed = B * 10 + T + 2
 
-        def loop(params, cache, fixed, slots, rows_, n):
+        def loop(params, cache, fixed, slots, rows_, accepted, n):
             def body(i, carry):
                 cache, _ = carry
                 s = i % slots.shape[0]
-                inputs = VerifyInputs(fixed.x, fixed.f_a, fixed.beta, fixed.gate, slots[s],
-                                      rows_[s])
+                inputs = dataclasses.replace(fixed, slots=slots[s], record_rows=rows_[s])
                 out, cache = fn(params, cache, inputs, config)
-                return cache, out
+                return accept(cache, rows_[s], accepted[s], config), out
 
             out0 = jnp.zeros((B, T, H, 128), jnp.bfloat16)
             return jax.lax.fori_loop(0, n, body, (cache, out0))
@@ -417,12 +435,11 @@ class Bench:
 
     def precompile_references(self):
         """XLA's compiles of the references' loops (with its autotuning, 10-15 s each at
-        B >= 16 on the H200), two at a time on threads, while the correctness checks run
-        (one at a time took 30 s past them, 04:33 run): {(impl, T, B): future of
-        loop_program}. Our kernel's jitted loop is compiled where it is timed: its
-        lowering compiles the CuTe DSL kernel, kept to the main thread."""
+        B >= 16 on the H200), two at a time on threads, while the correctness checks run:
+        {(impl, T, B): future of loop_program}. Our kernel's jitted loop is compiled where
+        it is timed: its lowering compiles the CuTe DSL kernel, kept to the main thread."""
         args = self.args
-        jobs = [("chunked-xla", chunked_verify, T, B) for T in args.tokens for B in args.batches]
+        jobs = [("xla", xla_verify, T, B) for T in args.tokens for B in args.batches]
         jobs += [("stock-xla", stock_verify, T, B) for T in args.stock_tokens
                  for B in args.stock_batches]
         pool = concurrent.futures.ThreadPoolExecutor(max_workers=2)
@@ -442,7 +459,7 @@ class Bench:
         compiled, compile_s, nsets, seed = (future.result() if future else
                                             self.loop_program(fn, T, B, rotate))
         config = KdaConfig(heads=self.args.heads, tokens=T)
-        params, cache, fixed, slots, rows_ = jax.block_until_ready(
+        params, cache, fixed, slots, rows_, accepted = jax.block_until_ready(
             loop_operands(config, B, nsets, seed))
         n_total, writes = accepted_tokens(cache, fixed)
         nbytes = measure.verify_bytes(self.args.heads, T, B, n_total, writes)["total"]
@@ -450,7 +467,7 @@ class Bench:
 
         def run(n):
             state["cache"], out = compiled(params, state["cache"], fixed, slots, rows_,
-                                           jnp.int32(n))
+                                           accepted, jnp.int32(n))
             jax.block_until_ready(out)
 
         run(1)  # warm-up
@@ -461,19 +478,18 @@ class Bench:
                            nbytes, method="jit fori_loop", sets=nsets, loop_calls=n,
                            compile_s=round(compile_s, 1))]
 
-    def sweep(self, T, batches, impls=("eager", "fla", "jit", "chunked")):
+    def sweep(self, T, batches, impls=("eager", "fla", "jit", "xla")):
         """The implementations `impls` at T over `batches` (our kernel at split auto)."""
-        jit_impl = "ours-jit" if self.kernel_jit else "ours-jit[jax]"
         jobs = {
             "eager": (self.eager_why is None, "ours-eager",
                       lambda B: self.ours_eager(T, B, None)),
             "fla": (self.fla_why is None, "fla", lambda B: self.fla_points(T, B)),
-            "jit": (self.jit_backend is not None, jit_impl, lambda B: self.jax_loop(
-                jit_impl, functools.partial(fused_verify, backend=self.jit_backend), T, B)),
+            "jit": (self.kernel_jit is not None, "ours-jit", lambda B: self.jax_loop(
+                "ours-jit", functools.partial(fused_verify, backend=self.kernel_jit), T, B)),
             # XLA's scatter into the cache costs O(slots) per call: the references get
             # the smallest cache (B + 1 slots, no rotation), their best case.
-            "chunked": (True, "chunked-xla", lambda B: self.jax_loop(
-                "chunked-xla", chunked_verify, T, B, rotate=False)),
+            "xla": (True, "xla", lambda B: self.jax_loop("xla", xla_verify, T, B,
+                                                         rotate=False)),
             "stock": (True, "stock-xla", lambda B: self.jax_loop(
                 "stock-xla", stock_verify, T, B, rotate=False)),
         }
@@ -493,121 +509,48 @@ class Bench:
                 if self.affordable("eager", what):
                     self.run_point("eager", what, lambda: self.ours_eager(T, B, split))
 
-    # -- 4. the 20-layer step -------------------------------------------------------------
+    # -- 4. the decoder step ----------------------------------------------------------------
 
-    def layers20(self):
-        backend = self.jit_backend
-        if backend is None:
-            self.results["skipped"].append("20-layer step: no kernel under jit")
-            return
+    def decoder_steps(self):
+        """decoder.py once per command-buffer setting, each in a subprocess with its
+        XLA_FLAGS (the rows it wrote before an error or the timeout are kept); the
+        first setting picks the scan's unroll, the others run the same program."""
+        backend = self.kernel_jit or "jax"
+        unroll = []
         for setting, flag in CMDBUF_FLAGS.items():
-            if not self.affordable("layers20", f"20-layer step, command buffers {setting}", 60):
+            if not self.affordable("decoder", f"decoder step, command buffers {setting}", 60):
                 continue
             start = time.perf_counter()
+            left = self.budget.left() - self.budget.reserve_s
             with tempfile.TemporaryDirectory() as tmp:
-                target = pathlib.Path(tmp) / "child.json"
+                target = pathlib.Path(tmp) / "decoder.json"
                 env = dict(os.environ)
                 env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " " + flag).strip()
-                command = [sys.executable, str(pathlib.Path(__file__).resolve()),
-                           "--layers20-child", str(target), "--out", tmp,
-                           "--heads", str(self.args.heads), "--backend", backend,
-                           "--layers", str(self.args.layers),
-                           "--layer-batches", ",".join(map(str, self.args.layer_batches))]
-                timeout = max(10, self.budget.left() - self.budget.reserve_s)
+                command = [sys.executable, str(DECODER), "--json", str(target),
+                           "--heads", str(self.args.heads), "--layers", str(self.args.layers),
+                           "--batches", ",".join(map(str, self.args.layer_batches)),
+                           "--backend", backend, "--budget-s", str(max(1.0, left - 30))]
+                command += ["--unroll", str(unroll[0])] if unroll else []
+                error = None
                 try:
                     done = subprocess.run(command, env=env, capture_output=True, text=True,
-                                          timeout=timeout)
-                    if done.returncode != 0 or not target.exists():
-                        raise RuntimeError(f"exit {done.returncode}: {done.stderr[-600:]}")
-                    rows = json.loads(target.read_text())
-                except Exception as error:  # noqa: BLE001
-                    rows = [{"error": f"{type(error).__name__}: {str(error)[-600:]}"}]
+                                          timeout=max(10.0, left))
+                    self.log(done.stdout.strip())
+                    if done.returncode != 0:
+                        error = f"exit {done.returncode}: {done.stderr[-600:]}"
+                except subprocess.TimeoutExpired:
+                    error = f"timed out after {left:.0f} s"
+                rows = json.loads(target.read_text()) if target.exists() else []
+            if error:
+                self.log(f"  decoder step, command buffers {setting}: {error}")
+                rows.append({"error": error})
             for row in rows:
                 row["cmdbuf"] = setting
                 row["xla_flags"] = flag or "(XLA default)"
-                # the raw kernel on the step's own layers in its process, else the sweep's
-                if "chain_us" in row:
-                    raw = row["chain_us"], "ours-eager graph, the step's layers"
-                    serial = row["chain_serial_us"]
-                else:
-                    raw = self.raw_kernel_us(row.get("B"), row.get("T"))
-                    serial = self.raw_kernel_us(row.get("B"), row.get("T"), "child graphs")
-                    serial = serial and serial[0]
-                if raw and "step_us" in row:
-                    row["raw_us"], row["raw_from"] = raw
-                    if row["raw_from"].startswith("ours-eager"):  # the raw kernel, no XLA
-                        row["overhead_us"] = (row["step_us"] - row["layers"] * raw[0]
-                                              ) / row["layers"]
-                if serial and "step_us" in row:
-                    row["serial_us"] = serial
-                    row["overhead_serial_us"] = (row["step_us"] - row["layers"] * serial
-                                                 ) / row["layers"]
-                self.results["layers20"].append(row)
-                self.log(f"  {self.args.layers} layers, cmdbuf {setting}: " + ", ".join(
-                    f"{k}={v:.2f}" if isinstance(v, float) else f"{k}={v}"
-                    for k, v in row.items() if k not in ("xla_flags",)))
-            self.costs["layers20"] = time.perf_counter() - start
+            unroll = unroll or [r["unroll"] for r in rows if r.get("used")][:1]
+            self.results["decoder"] += rows
+            self.costs["decoder"] = time.perf_counter() - start
             self.save()
-
-    def raw_kernel_us(self, B, T, method=None):
-        """(per-call us, source) of the raw kernel at (B, T, split auto): the eager
-        graph replay, else eager events, else the jitted loop; or the eager kernel's
-        `method` alone."""
-        order = ((("ours-eager", method),) if method else (
-            ("ours-eager", "graph"), ("ours-eager", "events"),
-            ("ours-jit", "jit fori_loop"), ("ours-jit[jax]", "jit fori_loop")))
-        for impl, method in order:
-            for row in self.results["points"]:
-                if (row.get("impl"), row.get("method"), row.get("B"), row.get("T")) == (
-                        impl, method, B, T) and str(row.get("split")).startswith("auto"):
-                    return row["us"], f"{impl} {method}"
-        return None
-
-    # -- targets --------------------------------------------------------------------------
-
-    def targets(self):
-        T, H = 4, self.args.heads
-        find = lambda impl, B: report.best_time(self.results, impl, T, B)
-        rows = []
-
-        def target(name, goal, measured, met, margin):
-            rows.append({"name": name, "target": goal, "measured": measured, "met": met,
-                         "margin": margin})
-
-        for B in (b for b in self.args.batches if b * H >= 2048):
-            ours = find("ours-eager", B)
-            if ours:
-                frac = ours.get("frac")
-                target(f"bandwidth B={B} T=4", ">= 85% of copy", f"{100 * frac:.1f}%",
-                       frac >= 0.85, f"{100 * (frac - 0.85):+.1f} points")
-            fla = find("fla-recurrence", B)
-            if ours and fla:
-                speedup = fla["us"] / ours["us"]
-                target(f"vs fla B={B} T=4", ">= 3x faster than fla recurrence",
-                       f"{speedup:.2f}x ({ours['us']:.1f} vs {fla['us']:.1f} us)",
-                       speedup >= 3, f"{speedup / 3:.2f} of target")
-        ours = find("ours-eager", 1)
-        if ours:
-            target("latency B=1 T=4", "<= 5.5 us", f"{ours['us']:.3f} us", ours["us"] <= 5.5,
-                   f"{ours['us'] - 5.5:+.3f} us")
-        for row in self.results["layers20"]:
-            if row.get("cmdbuf") == "on" and "overhead_us" in row:
-                how = {"host": "host loop", "device": "device loop", "trace": "device trace"}
-                target(f"JAX overhead B={row['B']} (20 layers, cmdbuf on, {how[row['mode']]})",
-                       "<= 1.5 us per call",
-                       f"{row['overhead_us']:.3f} us", row["overhead_us"] <= 1.5,
-                       f"{row['overhead_us'] - 1.5:+.3f} us")
-        for B, issue_us in FLA_ISSUE_US.items():  # the peer as the issue measured it
-            fla = find("fla-recurrence", B)
-            if fla:
-                target(f"fla recurrence B={B} T=4 (peer check)", f"issue measured {issue_us} us",
-                       f"{fla['us']:.1f} us", None, f"{fla['us'] / issue_us:.2f}x the issue's")
-        copy = self.results.get("copy")
-        if copy:
-            target("copy bandwidth (peer check)", "issue measured 4.14 TB/s",
-                   f"{copy['tbps']:.3f} TB/s", None, f"{copy['tbps'] / 4.14:.2f}x the issue's")
-        self.results["targets"] = rows
-        self.save()
 
     # -- the run --------------------------------------------------------------------------
 
@@ -619,8 +562,14 @@ class Bench:
             f"fla: {meta['fla']}")
         self.results["memory"] = [measure.memory_per_request(measure.KIMI_HEADS, T)
                                   for T in range(2, 9)]
+        for rows, why in (("our kernel, eager (ours-eager)", self.eager_why),
+                          ("our kernel under jit (ours-jit)",
+                           None if self.kernel_jit else "no sm_90 GPU or no CuTe DSL"),
+                          ("fla (fla-recurrence, fla-pipeline)", self.fla_why)):
+            if why:
+                self.results["skipped"].append(f"{rows}: unavailable ({why})")
         self.precompile_references()
-        log("1. correctness (against reference.chunked_verify)")
+        log("1. correctness (against the stock reference and the XLA backend, on the CPU)")
         for T in args.tokens:
             self.correctness(T)
         self.await_precompiles()
@@ -630,8 +579,8 @@ class Bench:
         rest = [T for T in args.tokens if T != first]
         log(f"3. T={first}, split auto, every implementation")
         self.sweep(first, args.batches)
-        log("4. 20-layer jitted step")
-        self.layers20()
+        log(f"4. the decoder step: {args.layers} layers, scan and list")
+        self.decoder_steps()
         log(f"5. T={first}, fixed splits")
         self.splits(first, args.batches)
         for T in rest:
@@ -645,12 +594,12 @@ class Bench:
             self.splits(T, args.batches)
         for T in rest:
             log(f"9. T={T}, split auto: under XLA")
-            self.sweep(T, args.batches, ("jit", "chunked"))
-        self.targets()
+            self.sweep(T, args.batches, ("jit", "xla"))
         self.finish()
 
     def finish(self):
         out = pathlib.Path(self.args.out)
+        self.results["targets"] = report.targets(self.results)
         self.save()
         try:
             report.plot(self.results, out / "bench.png")
@@ -661,129 +610,19 @@ class Bench:
         self.log(report.summary(self.results))
 
 
-def layer_chain_us(config, params, caches, inputs, kernel_us):
-    """The step's own layers (lists of params, caches and inputs) through the eager
-    kernel, in this process right after the step was timed, on the same buffers, so
-    that its raw time shares the step's operands, memory and GPU state: us per layer in
-    one CUDA graph of launches (PDL overlaps them: `chain_us`) and with each launch a
-    child graph of its own (as XLA holds a custom call: `chain_serial_us`). {} where
-    torch or the eager kernel cannot run here."""
-    torch = peers.torch_or_none()
-    if peers.kernel_eager_unavailable(torch) is not None:
-        return {}
-    chain = peers.KernelEager.layers(torch, params, caches, inputs, config)
-    L = len(params)
-    calls = L * int(min(50, max(1, 2e3 / (L * kernel_us))))  # whole steps, about 2 ms
-    try:
-        return {"chain_us": 1e6 * measure.torch_graph_time(torch, chain, L, calls, 10),
-                "chain_serial_us": 1e6 * measure.torch_child_graph_time(torch, chain, L,
-                                                                        calls, 10)}
-    finally:
-        del chain
-        torch.cuda.empty_cache()
-
-
-def layers20_child(args):
-    """The 20-layer step in this process (XLA_FLAGS set by the parent): per batch, the
-    jitted step called from Python (mode host) and a jitted fori_loop of steps (mode
-    device), the same steps traced on the device (mode trace), each row with the raw
-    times of the step's layers (`layer_chain_us`); writes a JSON list to
-    args.layers20_child."""
-    T, H, L = 4, args.heads, args.layers
-    config = KdaConfig(heads=H, tokens=T)
-    verify = functools.partial(fused_verify, config=config, backend=args.backend)
-    rows = []
-    for B in args.layer_batches:
-        keys = jax.random.split(jax.random.key(B), 3 * L)
-        params = [random_params(keys[3 * i], config) for i in range(L)]
-        caches = [random_cache(keys[3 * i + 1], config, B + 1, B) for i in range(L)]
-        slots = jnp.arange(1, B + 1, dtype=jnp.int32)
-        inputs = [random_inputs(keys[3 * i + 2], config, slots, slots - 1) for i in range(L)]
-
-        def step(params, caches, inputs):
-            outs, new = [], []
-            for p, c, x in zip(params, caches, inputs):
-                out, c = verify(p, c, x)
-                outs.append(out)
-                new.append(c)
-            return outs, new
-
-        jstep = jax.jit(step, donate_argnums=(1,))
-        start = time.perf_counter()
-        compiled = jstep.lower(params, caches, inputs).compile()
-        compile_s = time.perf_counter() - start
-        hlo = compiled.as_text()
-        cmdbufs = hlo.count("command_buffer")
-        outs, caches = jstep(params, caches, inputs)
-        jax.block_until_ready(outs)
-
-        state = {"caches": caches}
-
-        def host(n):
-            for _ in range(n):
-                outs, state["caches"] = jstep(params, state["caches"], inputs)
-            jax.block_until_ready(outs)
-
-        rough = measure.wall_times(lambda: host(3), 1) / 3
-        n = int(min(2000, max(5, 0.2 / max(rough, 1e-7))))
-        host_s = measure.wall_times(lambda: host(n), 3) / n
-        common = {"B": B, "T": T, "heads": H, "layers": L, "backend": args.backend,
-                  "compile_s": round(compile_s, 1), "command_buffers_in_hlo": cmdbufs}
-        rows.append(dict(common, mode="host", step_us=host_s * 1e6, steps=n))
-
-        @functools.partial(jax.jit, donate_argnums=(1,))
-        def loop(params, caches, inputs, n):
-            def body(i, carry):
-                caches, _ = carry
-                outs, caches = step(params, caches, inputs)
-                return caches, outs
-
-            outs0 = [jnp.zeros((B, T, H, 128), jnp.bfloat16) for _ in range(L)]
-            return jax.lax.fori_loop(0, n, body, (caches, outs0))
-
-        state["caches"], outs = loop(params, state["caches"], inputs, jnp.int32(1))
-        jax.block_until_ready(outs)
-
-        def device(n):
-            state["caches"], outs = loop(params, state["caches"], inputs, jnp.int32(n))
-            jax.block_until_ready(outs)
-
-        rough = measure.wall_times(lambda: device(3), 1) / 3
-        n = int(min(5000, max(5, 0.2 / max(rough, 1e-7))))
-        device_s = measure.wall_times(lambda: device(n), 3) / n
-        rows.append(dict(common, mode="device", step_us=device_s * 1e6, steps=n))
-
-        # the same host-called steps seen from the device: no dispatch, no loop in it
-        traced = measure.traced_steps(lambda: host(16), L)
-        print(f"B={B} trace: {traced}", flush=True)
-        if traced.get("step_us") is not None:
-            rows.append(dict(common, mode="trace", step_us=traced["step_us"],
-                             steps=traced["steps"], kernel_us=traced["kernel_us"],
-                             gap_us=traced["gap_us"]))
-        raw = layer_chain_us(config, params, state["caches"], inputs,
-                             traced.get("kernel_us") or 1.0)
-        print(f"B={B} the step's layers through the eager kernel: {raw}", flush=True)
-        for row in rows:
-            if row["B"] == B:
-                row.update(raw)
-    pathlib.Path(args.layers20_child).write_text(json.dumps(rows))
-    return 0
-
-
 def parse(argv):
     ints = lambda text: [int(v) for v in text.split(",") if v]
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", required=True, help="folder for results.json, log, plot")
     parser.add_argument("--quick", action="store_true",
-                        help="CPU dry run: H=2, T 2,4, B 1,2, 3 layers, the jax backend for "
-                             "the kernel rows")
+                        help="CPU dry run: H=2, T 2,4, B 1,2, 3 layers")
     parser.add_argument("--budget-s", type=float, default=None,
-                        help="wall-clock budget of the run (default 400; --quick 480)")
+                        help="wall-clock budget of the run (default 520; --quick 480)")
     parser.add_argument("--heads", type=int, default=None, help="H (default 32; --quick 2)")
     parser.add_argument("--tokens", type=ints, default=None, help="T values (default 2,4,8)")
     parser.add_argument("--batches", type=ints, default=None,
-                        help="B values (default 1,4,16,64,256; --quick 1,4)")
+                        help="B values (default 1,4,16,64,256; --quick 1,2)")
     parser.add_argument("--splits", type=ints, default=[1, 2, 4, 8],
                         help="fixed splits timed besides auto (default 1,2,4,8)")
     parser.add_argument("--stock-tokens", type=ints, default=[4],
@@ -793,28 +632,24 @@ def parse(argv):
     parser.add_argument("--check-batch", type=int, default=4, help="B of the correctness points")
     parser.add_argument("--graph-max-batch", type=int, default=256,
                         help="largest B also timed through CUDA-graph replay (default 256)")
-    parser.add_argument("--layers", type=int, default=None, help="layers of the step (20)")
-    parser.add_argument("--layer-batches", type=ints, default=[1, 64],
-                        help="B of the 20-layer step (default 1,64)")
-    parser.add_argument("--layers20-child", default=None, help=argparse.SUPPRESS)
-    parser.add_argument("--backend", default="cutedsl", help=argparse.SUPPRESS)
+    parser.add_argument("--layers", type=int, default=None,
+                        help=f"layers of the decoder step (default {measure.KIMI_LAYERS})")
+    parser.add_argument("--layer-batches", type=ints, default=None,
+                        help="B of the decoder step (default 1,16,64; --quick 1,2)")
     args = parser.parse_args(argv)
     quick = args.quick
-    args.budget_s = args.budget_s or (480.0 if quick else 400.0)
-    args.heads = args.heads or (2 if quick else 32)
+    args.budget_s = args.budget_s or (480.0 if quick else 520.0)
+    args.heads = args.heads or (2 if quick else measure.KIMI_HEADS)
     args.tokens = args.tokens or ([2, 4] if quick else [2, 4, 8])
     args.batches = args.batches or ([1, 2] if quick else [1, 4, 16, 64, 256])
     args.stock_batches = args.stock_batches or ([1] if quick else [1, 64])
-    args.layers = args.layers or (3 if quick else LAYERS)
-    if quick and args.layer_batches == [1, 64]:
-        args.layer_batches = [1, 2]
+    args.layers = args.layers or (3 if quick else measure.KIMI_LAYERS)
+    args.layer_batches = args.layer_batches or ([1, 2] if quick else [1, 16, 64])
     return args
 
 
 def main(argv=None):
     args = parse(sys.argv[1:] if argv is None else argv)
-    if args.layers20_child:
-        return layers20_child(args)
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     bench = Bench(args, Log(out / "log.txt"))
@@ -832,7 +667,6 @@ def watchdog(bench, grace_s=30.0):
               f"and exiting")
     try:
         bench.results["skipped"].append("the rest: the run passed its budget (watchdog)")
-        bench.targets()
         bench.finish()
     finally:
         os._exit(3)

@@ -1,24 +1,23 @@
 """The ceiling of the fused verify's layout: a kernel that only moves the state, with the
-verify's grid, block and residency, timed as the verify is (gpu_timeline.Point's graph)
+verify's grid, block and residency, timed as the verify is (`timeline.Point`'s graph)
 next to the verify itself. Per CTA: griddepcontrol.wait, the slot (one round trip), the
 CTA's state rows by one bulk copy into shared memory, and the same rows written back
 from there (every request has pending tokens: the verify writes its rows too). No other
 operand is read: the verify's other bytes (window, records, inputs, output, weights;
 about 13% of its total at T = 4) are left out, and the percentages are of the state's
-bytes alone. The copy bandwidth is the benchmark's (`benchmarks/measure.py`).
-`resident` CTAs per SM are forced by padding shared memory (2: the verify's own 88 KB at
+bytes alone. The copy bandwidth is the benchmark's (`measure.copy_bandwidth`).
+`resident` CTAs per SM are forced by padding shared memory (2: the verify's own 90 KB at
 T = 4) and by the register cap.
 
-    JAX_PLATFORMS=cpu python tests/gpu_ceiling.py [B,T,SPLIT ...]
+    JAX_PLATFORMS=cpu python benchmarks/ceiling.py [B,T,SPLIT ...]
 """
 import argparse
 import json
-import pathlib
 import sys
 
 import torch
 
-from jax_kda.ffi.eager import FIELDS
+from jax_kda import operands
 from jax_kda.kernels import compile_verify, verify_kernel  # imports CuTe DSL first
 import cuda.bindings.driver as cuda
 import cutlass
@@ -27,10 +26,8 @@ from cutlass import Float32, Int64
 from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream
 from jax_kda.kernels.fused import THREADS, row_major
 from jax_kda.kernels.primitives import aligned, bulk_copy, load_vec, wide
-from gpu_timeline import Point
-
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent / "benchmarks"))
-import measure  # noqa: E402  (benchmarks/ is scripts, not a package)
+import measure  # benchmarks/, on sys.path as the script's folder
+from timeline import Point
 
 SHARED_PER_SM = 227 * 1024  # what the CTAs of one SM may share on sm_90
 
@@ -91,7 +88,7 @@ def main():
     args = parser.parse_args()
     bandwidth = measure.copy_bandwidth(torch)["tbps"] * 1e12
     print(f"{torch.cuda.get_device_name(0)}; copy {bandwidth / 1e12:.3f} TB/s", flush=True)
-    picked = [FIELDS.index("slots"), FIELDS.index("state")]
+    picked = [operands.NAMES.index("slots"), operands.NAMES.index("state")]
     rows = []
     for text in args.points:
         B, T, split = (int(v) for v in text.split(","))

@@ -1,18 +1,25 @@
 """Builds of the fused verify in one process: this checkout's against others' (each a
 directory holding that build's fused.py and primitives.py), on the same operands. Per
 point: one step of each on copies of the same cache, every output and cache field
-compared with this build's; then the graph time of each (gpu_timeline.Point),
+compared with this build's; then the graph time of each (`timeline.Point`),
 alternating ROUNDS times so that clock and thermal drift fall on all of them.
 
-    mkdir -p tests/_base && for f in fused primitives; do git show REV:jax_kda/kernels/$f.py \\
-      | sed 's/jax_kda.kernels.primitives/primitives/' > tests/_base/$f.py; done
-    JAX_PLATFORMS=cpu python tests/gpu_compare.py --baseline tests/_base 64,4,1 1,4,2
+    mkdir -p /tmp/base && for f in fused primitives; do git show REV:jax_kda/kernels/$f.py \
+      | sed 's/jax_kda.kernels.primitives/primitives/' > /tmp/base/$f.py; done
+    JAX_PLATFORMS=cpu python benchmarks/compare.py --baseline /tmp/base 64,4,1 1,4,2
+
+A build must have this checkout's interface: `FusedVerify(config, split, has_bias, *,
+timeline, solo, stacked)` with the `config`, `has_bias`, `stacked` and `timeline`
+attributes, launched as (stream, *operands) in `jax_kda.operands` order (a [1] int32
+`layer` slot, None here, and per-head pending [R, H]). Builds older than that interface
+(a constructor of separate sizes and scalars, no layer operand) need their own
+checkout's `jax_kda` package.
 
 --baseline may be given several times; the first is the one changes are reported against.
 --between M,N,K puts a bf16 GEMM [M, K] x [K, N] in front of every launch, as a model's
 other layers run between its verify calls (a verify's time is then the pair's less the
 GEMM's alone); --clock adds each build's SM clock from its timeline build (the clock
-the verify's CTAs ran at: gpu_timeline.summarize).
+the verify's CTAs ran at: `timeline.summarize`).
 """
 import argparse
 import functools
@@ -24,10 +31,9 @@ import sys
 
 import torch
 
-from jax_kda.ffi.eager import FIELDS
 from jax_kda.kernels import compile_kernel, verify_kernel
 from jax_kda.kernels.fused import STAMPS
-from gpu_timeline import Point, operands, summarize
+from timeline import Point, cute_tensors, summarize
 
 ROUNDS = 3
 CACHE_FIELDS = ("state", "conv", "corrections", "key_gates", "pending")
@@ -59,14 +65,10 @@ def builds(config, others, solo, timeline=False):
     checkout's, each solo as eager_verify would launch it; timeline: their stamped
     builds."""
     split = config.split
-    kernels = [(name, cls(config.heads, config.tokens, config.rq, config.gate_mode, True,
-                          split, float(config.lower_bound), config.query_scale,
-                          float(config.eps), timeline=timeline, solo=solo))
+    kernels = [(name, cls(config, split, True, timeline=timeline, solo=solo))
                for name, cls in others]
     kernels.append(("this", verify_kernel(config, split, True, timeline, solo)))
-    return {name: compile_kernel(kernel, config, True, "float32", "float32",
-                                 timeline=timeline)
-            for name, kernel in kernels}
+    return {name: compile_kernel(kernel, "float32", "float32") for name, kernel in kernels}
 
 
 def gemm(shape):
@@ -82,7 +84,7 @@ def clock(point, compiled, serial, before):
     """GHz the stamped build's CTAs ran at, in the timed graph's steady state."""
     stamps = torch.zeros((point.out.shape[0] * point.config.heads * point.config.split,
                           STAMPS), dtype=torch.int64, device="cuda")
-    period = point.graph_time(compiled, operands([stamps]), serial=serial, before=before)
+    period = point.graph_time(compiled, cute_tensors([stamps]), serial=serial, before=before)
     return summarize(stamps.cpu().numpy(), period)["ghz"]
 
 
@@ -92,7 +94,7 @@ def one_step(point, compiled):
     for field in CACHE_FIELDS:
         named[field] = named[field].clone()
     named["out"] = torch.full_like(point.out, float("nan"))
-    compiled(point.handle, *operands([named[name] for name in FIELDS]))
+    compiled(point.handle, *cute_tensors(list(named.values())))
     torch.cuda.synchronize()
     return {field: named[field] for field in CACHE_FIELDS + ("out",)}
 

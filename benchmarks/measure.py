@@ -1,15 +1,19 @@
 """What the benchmark measures with, and what it counts.
 
-- `Budget`: the wall-clock allowance of the whole run (the device call has 8 minutes).
+- `Budget`: the wall-clock allowance of a run.
 - Byte models: the fewest bytes each implementation must move per call (each operand
   read once, each result written once), and the cache layout per request.
 - Timers: CUDA events around single launches, CUDA-graph replay of many launches
   (torch; PDL overlaps them), the same with each launch a child graph of its own (as
-  XLA's command buffers hold a custom call: no overlap), and a jitted `lax.fori_loop`
-  of many calls for anything under JAX.
+  XLA's command buffers hold a custom call: no overlap), and wall clocks for anything
+  under JAX. A verify leaves its record rows awaiting an accept (pending -1), so a
+  repeated launch on the same operands would replay nothing: the torch timers take a
+  `reset` that restores the pending counts outside the timed span, and each operand
+  set is launched once between resets.
 - The device-to-device copy bandwidth, the ceiling every fraction is taken against.
 
-Sizes: B requests, T tokens, H heads, K = 128, RQ record tokens.
+Sizes: B requests, T tokens, H heads, K = 128, RQ = T record tokens, W = T + 3 window
+positions.
 """
 from __future__ import annotations
 
@@ -22,6 +26,7 @@ from jax_kda.config import CONV_TAPS, K
 F32, BF16, I32 = 4, 2, 4
 ROTATE_BYTES = 512 << 20  # data touched per rotation cycle: 8x the H200's 60 MB L2
 MAX_SETS = 64
+MIN_LAUNCHES = 8  # fewest launches per graph replay: its own start-up, spread, stays small
 KIMI_HEADS, KIMI_LAYERS = 32, 20  # a Kimi-Linear KDA layer, and the model's KDA layers
 
 
@@ -41,9 +46,10 @@ class Budget:
         return self.left() - self.reserve_s >= cost_s
 
 
-def rotation_sets(bytes_per_call: int) -> int:
-    """How many disjoint operand sets to cycle through so a set is cold when it returns."""
-    return max(1, min(MAX_SETS, -(-ROTATE_BYTES // max(bytes_per_call, 1))))
+def rotation_sets(bytes_per_call: int, least: int = 1) -> int:
+    """How many disjoint operand sets to cycle through so a set is cold when it returns
+    (and at least `least`)."""
+    return max(least, min(MAX_SETS, -(-ROTATE_BYTES // max(bytes_per_call, 1))))
 
 
 def param_bytes(H: int) -> int:
@@ -54,8 +60,10 @@ def param_bytes(H: int) -> int:
 def verify_bytes(H: int, T: int, B: int, n_total: int, state_writes: int) -> dict:
     """Bytes one fused verify must move: the state read once and written once per request
     with n > 0 (`state_writes` of them), the n accepted records read (`n_total` tokens
-    over the batch), T records written, the conv history read and window written, the
-    token inputs read, the output written and the weights read once."""
+    over the batch, n per request), T records written, the conv history (3 positions)
+    read and the window's T + 3 positions written, the token inputs, slots and record
+    rows read, the per-head pending read and written, the output written and the
+    weights read once."""
     state = H * K * K * F32
     record = H * (K * F32 + 2 * K * BF16)  # one token's correction row and key + gate
     parts = {
@@ -63,8 +71,9 @@ def verify_bytes(H: int, T: int, B: int, n_total: int, state_writes: int) -> dic
         "state_write": state_writes * state,
         "records_read": n_total * record,
         "records_write": B * T * record,
-        "window": B * 3 * H * K * (3 + T + 2) * BF16,
-        "inputs": B * T * (3 * H * K + K + H + H * K) * BF16 + 2 * B * I32 + B * I32,
+        "window": B * 3 * H * K * (3 + T + CONV_TAPS - 1) * BF16,
+        "inputs": B * T * (3 * H * K + K + H + H * K) * BF16 + 2 * B * I32,
+        "pending": 2 * B * H * I32,
         "output": B * T * H * K * BF16,
         "params": param_bytes(H),
     }
@@ -88,11 +97,14 @@ def fla_recurrence_bytes(H: int, T: int, B: int) -> dict:
 
 
 def memory_per_request(H: int, T: int) -> dict:
-    """Cache bytes per request: our layout (one checkpoint, the conv window, one record
-    row of RQ = T tokens, pending) against the stock speculative layout (one FP32 state
-    per verify token, a conv window of 3 + T - 1 positions)."""
+    """Cache bytes per request: our layout (one checkpoint, the conv window of W = T + 3
+    positions, one record row of RQ = T tokens, pending per head) against the stock
+    speculative layout (one FP32 state per verify token, a conv window of 3 + T - 1
+    positions)."""
     state = H * K * K * F32
-    ours = (state + 3 * H * K * (T + 2) * BF16 + H * T * K * F32 + H * T * 2 * K * BF16 + I32)
+    window = T + CONV_TAPS - 1
+    ours = (state + 3 * H * K * window * BF16 + H * T * K * F32 + H * T * 2 * K * BF16
+            + H * I32)
     stock = T * state + 3 * H * K * (3 + T - 1) * BF16
     return {"T": T, "heads": H, "ours_bytes": ours, "stock_bytes": stock,
             "ours_over_stock": ours / stock}
@@ -102,15 +114,19 @@ def median(values):
     return statistics.median(values) if values else None
 
 
-def torch_event_times(torch, fn, sets: int, reps: int, warmup: int = 3):
+def torch_event_times(torch, fn, sets: int, reps: int, warmup: int = 3, reset=None):
     """Seconds per call of `fn(i)` launched one by one, CUDA events around each launch;
-    the median of `reps` calls cycling over `sets` operand sets."""
+    the median of `reps` calls cycling over `sets` operand sets. reset: run before each
+    call, outside the events."""
+    reset = reset or (lambda: None)
     for i in range(warmup):
+        reset()
         fn(i % sets)
     torch.cuda.synchronize()
     events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
               for _ in range(reps)]
     for i, (start, end) in enumerate(events):
+        reset()
         start.record()
         fn(i % sets)
         end.record()
@@ -118,9 +134,10 @@ def torch_event_times(torch, fn, sets: int, reps: int, warmup: int = 3):
     return median([s.elapsed_time(e) * 1e-3 for s, e in events])
 
 
-def torch_graph_time(torch, fn, sets: int, calls: int, replays: int):
+def torch_graph_time(torch, fn, sets: int, calls: int, replays: int, reset=None):
     """Seconds per call of `fn(i)` from replays of one CUDA graph of `calls` launches
-    (cycling over `sets`), events around each replay; median over `replays`."""
+    (cycling over `sets`), events around each replay; median over `replays`. reset:
+    run before each replay, outside the events (then give calls <= sets)."""
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):  # warm-up on a side stream, as torch's capture wants
@@ -132,20 +149,24 @@ def torch_graph_time(torch, fn, sets: int, calls: int, replays: int):
     with torch.cuda.graph(graph, capture_error_mode="thread_local"):
         for i in range(calls):
             fn(i % sets)
-    seconds = replay_time(torch, graph.replay, replays)
+    seconds = replay_time(torch, graph.replay, replays, reset)
     del graph
     return seconds / calls
 
 
-def replay_time(torch, replay, replays: int):
+def replay_time(torch, replay, replays: int, reset=None):
     """Median seconds of `replay()` (a graph launch) on the current stream over `replays`
-    calls, CUDA events around each, after two warm-up calls."""
+    calls, CUDA events around each, after two warm-up calls; reset: run before each
+    call, outside the events."""
+    reset = reset or (lambda: None)
     for _ in range(2):
+        reset()
         replay()
     torch.cuda.synchronize()
     events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
               for _ in range(replays)]
     for start, end in events:
+        reset()
         start.record()
         replay()
         end.record()
@@ -185,7 +206,7 @@ def child_graph_chain(stream, launches):
     return replay
 
 
-def torch_child_graph_time(torch, fn, sets: int, calls: int, replays: int):
+def torch_child_graph_time(torch, fn, sets: int, calls: int, replays: int, reset=None):
     """Seconds per call of `fn(i)` as `torch_graph_time`, each launch in a child graph of
     its own (`child_graph_chain`): the launches do not overlap, as under XLA."""
     import cuda.bindings.driver as cuda
@@ -196,7 +217,7 @@ def torch_child_graph_time(torch, fn, sets: int, calls: int, replays: int):
     with torch.cuda.stream(side):
         launches = [lambda i=i: fn(i % sets) for i in range(calls)]
         replay = child_graph_chain(cuda.CUstream(side.cuda_stream), launches)
-        return replay_time(torch, replay, replays) / calls
+        return replay_time(torch, replay, replays, reset) / calls
 
 
 def wall_times(fn, reps: int):
@@ -229,42 +250,3 @@ def copy_bandwidth(torch=None, nbytes: int = 1 << 30, reps: int = 20) -> dict:
         how = "jax jit(a + 1.0), wall clock"
     return {"bytes": 2 * nbytes, "seconds": seconds, "tbps": 2 * nbytes / seconds / 1e12,
             "how": how}
-
-
-def traced_steps(run, calls_per_step: int) -> dict:
-    """Device-side times of the steps `run()` enqueues (it must block until done), from
-    JAX's profiler trace of the GPU: the kernels of the commonest name (the verify) in
-    start order, taken `calls_per_step` at a time. Per step the span from the first
-    kernel's start to the last one's end; medians over the steps, of the spans, the
-    kernels' durations and the gaps between consecutive kernels of a step (negative
-    where a launch overlapped its predecessor, as PDL allows). No host time is in it."""
-    import collections
-    import glob
-    import tempfile
-
-    import jax
-
-    with tempfile.TemporaryDirectory() as folder:
-        jax.profiler.start_trace(folder)
-        try:
-            run()
-        finally:
-            jax.profiler.stop_trace()
-        paths = glob.glob(f"{folder}/**/*.xplane.pb", recursive=True)
-        data = jax.profiler.ProfileData.from_file(paths[0])
-        kernels = [(event.name, event.start_ns, event.start_ns + event.duration_ns)
-                   for plane in data.planes if plane.name.startswith("/device:GPU")
-                   for line in plane.lines for event in line.events
-                   if event.duration_ns > 0 and not line.name.startswith(("XLA", "TensorFlow"))]
-    names = collections.Counter(name for name, _, _ in kernels)
-    if not names:
-        return {"names": {}}
-    verify = names.most_common(1)[0][0]
-    chosen = sorted((start, end) for name, start, end in kernels if name == verify)
-    steps = [chosen[i:i + calls_per_step]
-             for i in range(0, len(chosen) - calls_per_step + 1, calls_per_step)]
-    spans = [(step[-1][1] - step[0][0]) * 1e-3 for step in steps]
-    gaps = [(b[0] - a[1]) * 1e-3 for step in steps for a, b in zip(step, step[1:])]
-    return {"steps": len(steps), "step_us": median(spans),
-            "kernel_us": median([(end - start) * 1e-3 for start, end in chosen]),
-            "gap_us": median(gaps), "names": dict(names.most_common(4))}

@@ -1,9 +1,10 @@
 """Target for Nsight Compute: a few launches of the fused verify at one point (B, H, T,
-split), on rotated cache sets so the state comes from HBM as in the benchmark. The data
-is built on the CPU; the only kernels are the verify's.
+split), each on a cache of its own so that the state comes from HBM and every launch
+replays its requests' pending tokens (a verify leaves them awaiting an accept). The
+data is built on the CPU; the only kernels are the verify's.
 
     JAX_PLATFORMS=cpu ncu --clock-control none --set full -k regex:kernel \
-        --launch-skip 2 --launch-count 1 python tests/gpu_profile.py B T SPLIT
+        --launch-skip 2 --launch-count 1 python benchmarks/ncu_target.py B T SPLIT
 """
 import sys
 
@@ -14,7 +15,7 @@ import torch
 from jax_kda import KdaConfig
 from jax_kda.ffi import eager_verify
 from jax_kda.testing import random_cache, random_inputs, random_params
-from gpu_sanitize import to_torch
+from peers import host_to_cuda
 
 H, LAUNCHES = 32, 4
 
@@ -22,14 +23,14 @@ H, LAUNCHES = 32, 4
 def main(B, T, split):
     config = KdaConfig(heads=H, tokens=T, split=split)
     key = jax.random.key(B)
-    params = to_torch(random_params(key, config))
+    params = host_to_cuda(torch, random_params(key, config))
     slots, rows = np.arange(1, B + 1), np.arange(B)
-    caches = [to_torch(random_cache(jax.random.fold_in(key, 1 + i), config, B + 1, B))
-              for i in range(2)]
-    inputs = to_torch(random_inputs(jax.random.fold_in(key, 99), config, slots, rows))
+    caches = [host_to_cuda(torch, random_cache(jax.random.fold_in(key, 1 + i), config, B + 1, B))
+              for i in range(LAUNCHES)]
+    inputs = host_to_cuda(torch, random_inputs(jax.random.fold_in(key, 99), config, slots, rows))
     out = torch.empty((B, T, H, 128), dtype=torch.bfloat16, device="cuda")
-    for i in range(LAUNCHES):
-        eager_verify(params, caches[i % 2], inputs, out, config)
+    for cache in caches:
+        eager_verify(params, cache, inputs, out, config)
     torch.cuda.synchronize()
     print(f"B={B} T={T} split={split}: {LAUNCHES} launches", flush=True)
 

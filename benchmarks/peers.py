@@ -14,7 +14,8 @@
 Each is built from the same JAX-made operands (`jax_kda.testing`), converted by DLPack;
 `rotating` operand sets live side by side so consecutive calls touch cold memory, the
 weights included: each set has its own copy, as each layer of a model has its own,
-cold when the layer runs.
+cold when the layer runs. `host_to_cuda` moves the kernel-study tools' host-built
+operands to the GPU.
 """
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ import os
 import sys
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from jax_kda.config import K
@@ -54,6 +56,18 @@ def as_torch_tree(torch, tree, copy=True):
     return type(tree)(**fields)
 
 
+def host_to_cuda(torch, tree):
+    """A pytree of JAX arrays on the host (the tools build their data with
+    JAX_PLATFORMS=cpu, so that the only GPU work is the kernel's) as torch copies on the
+    GPU, bf16 through its bits."""
+    def move(array):
+        array = np.asarray(array)
+        if array.dtype == jnp.bfloat16:
+            return torch.from_numpy(array.view(np.uint16).copy()).view(torch.bfloat16).cuda()
+        return torch.from_numpy(array.copy()).cuda()
+    return jax.tree.map(move, tree)
+
+
 def per_set(weights, sets: int):
     """`weights` (a pytree of torch tensors) and sets - 1 clones of it: one per operand
     set, so that a call finds its weights cold, as a model's layer does."""
@@ -76,17 +90,26 @@ def kernel_eager_unavailable(torch):
 
 class KernelEager:
     """Our kernel on torch tensors over operand sets, set i being (params[i], caches[i],
-    inputs[i]): build it with `rotating` (one cache holding every set's slots, the
-    weights a copy per set) or `layers` (a model's layers, each its own of everything)."""
+    inputs[i], layers[i]): build it with `rotating` (one cache holding every set's slots,
+    the weights a copy per set), `per_layer` (a model's layers, each its own of
+    everything) or `stacked` (a model's layers in stacked params and cache, set i
+    running layer i).
 
-    def __init__(self, torch, params, caches, inputs, config):
+    A verify leaves its record rows awaiting an accept (pending -1), so that a second
+    launch of a set would replay nothing: `rearm` restores every pending count to its
+    value at construction (pass it to the timers as their reset)."""
+
+    def __init__(self, torch, params, caches, inputs, config, layers=None):
         from jax_kda.ffi import eager_verify
 
         self.torch, self.config, self._verify = torch, config, eager_verify
         self.params, self.caches, self.inputs = params, caches, inputs
+        self.layers = layers or [None] * len(inputs)
         B, T, H = inputs[0].x.shape[0], config.tokens, config.heads
         self.outs = [torch.empty((B, T, H, K), dtype=torch.bfloat16,
                                  device=caches[0].state.device) for _ in inputs]
+        pendings = {id(c.pending): c.pending for c in caches}
+        self.armed = [(p, p.clone()) for p in pendings.values()]
 
     @classmethod
     def rotating(cls, torch, params, cache, sets, config):
@@ -96,17 +119,33 @@ class KernelEager:
                    [cache] * len(sets), [as_torch_tree(torch, s) for s in sets], config)
 
     @classmethod
-    def layers(cls, torch, params, caches, inputs, config):
+    def per_layer(cls, torch, params, caches, inputs, config):
         """Lists of JAX pytrees, one entry per layer, run on the JAX buffers themselves
         (no copies: the caches are updated in place, so pass only arrays that nothing
         reads afterwards, as a donated cache)."""
         tree = lambda trees: [as_torch_tree(torch, t, copy=False) for t in trees]
         return cls(torch, tree(params), tree(caches), tree(inputs), config)
 
+    @classmethod
+    def stacked(cls, torch, params, cache, inputs, config, layers: int):
+        """Stacked JAX params and cache (leading [L]) and one step's inputs, every layer
+        on the JAX buffers themselves (as `per_layer`), layer i a [1] int32 tensor."""
+        params, cache, inputs = (as_torch_tree(torch, t, copy=False)
+                                 for t in (params, cache, inputs))
+        index = [torch.tensor([i], dtype=torch.int32, device=cache.state.device)
+                 for i in range(layers)]
+        return cls(torch, [params] * layers, [cache] * layers, [inputs] * layers, config,
+                   index)
+
     def __call__(self, i: int):
         stream = self.torch.cuda.current_stream().cuda_stream
         self._verify(self.params[i], self.caches[i], self.inputs[i], self.outs[i],
-                     self.config, stream=stream)
+                     self.config, stream=stream, layer=self.layers[i])
+
+    def rearm(self):
+        """Every pending count back to its value at construction (one copy per cache)."""
+        for pending, first in self.armed:
+            pending.copy_(first)
 
     def poisoned_run(self, i: int = 0):
         """Output of set i with the output buffer poisoned (NaN) first."""

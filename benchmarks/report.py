@@ -1,7 +1,8 @@
-"""results.json -> RESULTS.md (tables, date, GPU, command) and the plot, on any machine:
+"""results.json -> the targets, RESULTS.md (tables, date, GPU, command) and the plot, on
+any machine:
 
     python benchmarks/report.py RESULTS_JSON [-o benchmarks/RESULTS.md]
-        [--plot benchmarks/bench.png] [--command "the exact device command"]
+        [--plot benchmarks/bench.png] [--command "the command that ran the benchmark"]
 
 bench.py calls the same functions at the end of a run.
 """
@@ -16,30 +17,38 @@ METHOD_ORDER = ("graph", "events", "jit fori_loop")
 COLUMNS = (  # (impl, label) of the per-T tables
     ("ours-eager", "ours (kernel, eager)"),
     ("ours-jit", "ours (jitted fused_verify)"),
-    ("ours-jit[jax]", "fused_verify backend=jax"),
-    ("chunked-xla", "chunked_verify (XLA)"),
+    ("xla", "XLA backend (backend=jax)"),
     ("stock-xla", "stock_verify (XLA)"),
     ("fla-recurrence", "fla recurrence"),
     ("fla-pipeline", "fla pipeline"),
 )
+# Peer checks (info rows): fla's recurrence at H = 32, T = 4 and the copy bandwidth as
+# first measured on an H200, to show that the peer and the ceiling run as expected.
+FLA_EXPECTED_US = {1: 11.5, 64: 221.0, 256: 976.0}
+COPY_EXPECTED_TBPS = 4.14
 WHAT_WAS_TIMED = """\
 - **ours (kernel, eager)**: the fused CuTe DSL kernel through `jax_kda.ffi.eager_verify` on
   torch tensors (no XLA): CUDA events around each launch (`events`), and CUDA-graph replay
-  of a captured sequence of launches (`graph`, for B <= 64). Split `auto` is the split
-  `kernel_split` picks; the bytes are the state read once and written once per request with
-  n > 0, the n accepted and T new records, the conv history and window, the inputs, the
-  output and the weights.
-- **ours (jitted fused_verify)**: `fused_verify(..., backend="cutedsl")` inside a jitted
-  `lax.fori_loop` of N calls with the cache carried (donated): the per-call time includes
-  XLA's launch gaps and one small dynamic-slice of the slot and record-row arrays per call
-  (the state rotates through the slots; the token inputs stay the same), and each
-  iteration of XLA's while loop, whose condition XLA on GPUs can read back on the host:
-  an upper bound on the cost of a call under jit, not the straight-line overhead that
-  the 20-layer step measures. Wall clock over the whole loop / N.
-- **chunked_verify / stock_verify (XLA)**: `reference.chunked_verify` and
-  `reference.stock_verify` (jitted) in the same fori_loop: what a JAX user has without us.
-  Their cache holds only the B + 1 slots of the batch (no rotation), so at small B their
-  state may sit in L2, which favours them.
+  of a captured sequence of launches, one per operand set (`graph`, for B <= 256). A
+  verify leaves its record rows awaiting an accept (pending -1), so the pending counts
+  are restored before each launch or replay, outside the timing: every launch replays
+  the same n tokens. Split `auto` is the split `kernel_split` picks; the bytes are the
+  state read once and written once per request with n > 0, the n accepted and T new
+  records, the conv history (3 positions) and the window (T + 3 positions written),
+  the inputs, pending, the output and the weights.
+- **ours (jitted fused_verify)**: `fused_verify(..., backend="cutedsl")` and `accept` inside
+  a jitted `lax.fori_loop` of N calls with the cache carried (donated): the per-call
+  time includes the accept's own kernel, XLA's launch gaps and small dynamic slices of
+  the slot, record-row and accepted-count arrays per call (the state rotates through
+  the slots; the token inputs stay the same), and each iteration of XLA's while loop,
+  whose condition XLA on GPUs can read back on the host: an upper bound on the cost of
+  a call under jit; the decoder step below measures straight-line steps. Wall clock over
+  the whole loop / N.
+- **XLA backend / stock_verify (XLA)**: `fused_verify(..., backend="jax")` (the chunked
+  form in XLA) and `jax_kda.ref.stock_verify` (the per-token `lax.scan`, jitted) in the
+  same fori_loop with `accept`: what a JAX user has without the kernel. Their cache
+  holds only the B + 1 slots of the batch (no rotation), so at small B their state may
+  sit in L2, which favours them.
 - **fla recurrence**: `fla.ops.kda.fused_recurrent.fused_recurrent_kda_fwd` (fla-core
   wheel, Triton) as vLLM's spec-decode path calls it: state pool updated in place, per-token
   state indices [B, T] and accepted counts [B] (one FP32 state written per verify token),
@@ -52,11 +61,37 @@ WHAT_WAS_TIMED = """\
   and `layer_norm_gated_fwd` (RMS, sigmoid gate). Its fraction is taken on *our* bytes
   (the minimum the operation must move), so it compares directly with ours.
 - Operand sets rotate (distinct state slots, records and inputs per set; enough sets that
-  one cycle touches >= 512 MiB, at most 64) so a repeated call does not find its state in
-  the 60 MB L2. For ours (eager) and fla each set also has its own copy of the weights,
-  cold when its call runs, as each layer's are in a model; the XLA loops keep one set
-  (their loop would slice stacked weights per call). The copy bandwidth is
-  `dst.copy_(src)` of 1 GiB, bytes read + written.
+  one cycle touches >= 512 MiB, at most 64, and for our eager kernel at least 8) so a
+  repeated call does not find its state in the 60 MB L2. For ours (eager) and fla each
+  set also has its own copy of the weights, cold when its call runs, as each layer's
+  are in a model; the XLA loops keep one set (their loop would slice stacked weights
+  per call). The copy bandwidth is `dst.copy_(src)` of 1 GiB, bytes read + written.
+"""
+DECODER_TEXT = """\
+What a JAX decoder gets (`benchmarks/decoder.py`): one speculative step of {layers}
+layers (H = {heads}, T = {tokens}), jitted with the cache donated. **scan**: stacked params
+and cache, `jax.lax.scan` over the layer index with the cache in the carry,
+`fused_verify(..., layer=i)` per layer, then one `accept` of the stacked cache.
+**list**: per-layer params and caches, a Python loop of `fused_verify`, then `accept`
+per layer. Every layer verifies the same step's inputs (nothing runs between the layers);
+the cache holds B + 16 slots and record rows. `lower + compile`: the first
+`jit(step).lower(...)` and `.compile()` at that B (the first lowering of a kernel
+configuration also compiles its CuTe DSL kernel); `new batch`: lower + compile at the
+next B that launches the same kernel, same cache. `loop`: wall time per step of N steps
+called from Python without blocking, then one block (the dispatch-bound throughput);
+`blocked`: a block after every step (a decoder that needs its tokens back); tokens/s =
+B x T / blocked. `GPU`: the device's time per step from JAX's profiler trace of
+host-called steps (`jax_kda.profiling.traced_steps`): the span of a step's activities
+(busy: the time some activity ran), with the activities per step. `raw`: the step's own
+layers through the eager kernel on its buffers, per layer, in one CUDA graph (PDL
+overlaps the launches) and with each launch a child graph of its own (as XLA's command
+buffers hold a custom call); `XLA per layer` = (GPU - layers x raw in child graphs) /
+layers. Command buffers: XLA's default (on) or `--xla_gpu_enable_command_buffer=`
+(off), each setting in a process of its own. The scan's unroll is tried both ways at the
+first B (1: a while loop; True: the layers in a straight line) and the one with the
+lower blocked time is used (within 2%, the cheaper new-batch compile); the other is
+marked `not used`. The row at S = 1025 is the used scan at the first B on a cache of
+that many slots (the same live rows): the step must not depend on S.
 """
 
 
@@ -97,6 +132,104 @@ def tokens_and_batches(results):
     return (sorted({r["T"] for r in points}), sorted({r["B"] for r in points}))
 
 
+def decoder_row(results, form, B, cmdbuf="on", check=None):
+    """The decoder step's timed row of `form` at B (the scan's used unroll; check
+    "slots": its row on the big cache), or None."""
+    for r in results.get("decoder", []):
+        if (r.get("cmdbuf"), r.get("form"), r.get("B"), r.get("check")) == (
+                cmdbuf, form, B, check) and r.get("used", True) and "loop_us" in r:
+            return r
+    return None
+
+
+def gpu_us(row):
+    return ((row or {}).get("gpu") or {}).get("step_us")
+
+
+def targets(results) -> list:
+    """The targets table: one row per target ("met" True or False), then info rows
+    (met None: other timing modes and the peer checks)."""
+    rows, info = [], []
+
+    def target(name, goal, measured, met, margin, into=rows):
+        into.append({"name": name, "target": goal, "measured": measured, "met": met,
+                     "margin": margin})
+
+    T, H = 4, results.get("meta", {}).get("heads")
+    find = lambda impl, B: best_time(results, impl, T, B)
+    _, Bs = tokens_and_batches(results)
+    for B in (b for b in Bs if H and b * H >= 2048):
+        ours, fla = find("ours-eager", B), find("fla-recurrence", B)
+        if ours and ours.get("frac"):
+            frac = ours["frac"]
+            target(f"bandwidth B={B} T=4", ">= 85% of copy", f"{100 * frac:.1f}%",
+                   frac >= 0.85, f"{100 * (frac - 0.85):+.1f} points")
+        if ours and fla:
+            speedup = fla["us"] / ours["us"]
+            target(f"vs fla B={B} T=4", ">= 3x faster than fla recurrence",
+                   f"{speedup:.2f}x ({ours['us']:.1f} vs {fla['us']:.1f} us)",
+                   speedup >= 3, f"{speedup / 3:.2f} of target")
+    ours = find("ours-eager", 1)
+    if ours:
+        target("latency B=1 T=4", "<= 5.5 us", f"{ours['us']:.3f} us", ours["us"] <= 5.5,
+               f"{ours['us'] - 5.5:+.3f} us")
+
+    decoder = [r for r in results.get("decoder", []) if "loop_us" in r]
+    B = min((r["B"] for r in decoder), default=None)
+    scan, listed = decoder_row(results, "scan", B), decoder_row(results, "list", B)
+    big = decoder_row(results, "scan", B, check="slots")
+    where = f"B={B}, cmdbuf on"
+    if gpu_us(scan) and gpu_us(listed):
+        ratio = gpu_us(scan) / gpu_us(listed)
+        target(f"decoder step: scan GPU time vs list's ({where})", "within 5% (scan <= 1.05x)",
+               f"{gpu_us(scan):.1f} vs {gpu_us(listed):.1f} us", ratio <= 1.05,
+               f"{100 * (ratio - 1):+.1f}%")
+    if gpu_us(scan) and gpu_us(big):
+        ratio = gpu_us(big) / gpu_us(scan)
+        target(f"decoder step: GPU time at S={big['S']} vs S={scan['S']} (scan, {where})",
+               "within 5%", f"{gpu_us(big):.1f} vs {gpu_us(scan):.1f} us",
+               abs(ratio - 1) <= 0.05, f"{100 * (ratio - 1):+.1f}%")
+    if gpu_us(scan):
+        ratio = scan["loop_us"] / gpu_us(scan)
+        target(f"decoder step: wall per step vs GPU time (scan, Python loop, {where})",
+               "<= 1.15x", f"{scan['loop_us']:.1f} vs {gpu_us(scan):.1f} us ({ratio:.2f}x)",
+               ratio <= 1.15, f"{ratio - 1.15:+.2f}x")
+        ratio = scan["blocked_us"] / gpu_us(scan)
+        target(f"decoder step: wall per step blocked after each step (scan, {where})", "-",
+               f"{scan['blocked_us']:.1f} us ({ratio:.2f}x GPU time)", None, "", info)
+        if scan.get("chain_serial_us"):
+            layers = scan["layers"]
+            extra = (gpu_us(scan) - layers * scan["chain_serial_us"]) / layers
+            target(f"decoder step: XLA's time per layer beyond the raw kernel's (scan, {where})",
+                   "-", f"{extra:+.2f} us (raw in child graphs {scan['chain_serial_us']:.2f} "
+                   f"us, in one graph {scan['chain_us']:.2f} us)", None, "", info)
+    off = decoder_row(results, "scan", B, cmdbuf="off")
+    if off and gpu_us(off):
+        target(f"decoder step: command buffers off (scan, B={B})", "-",
+               f"loop {off['loop_us']:.1f} us, GPU {gpu_us(off):.1f} us", None, "", info)
+    compiles = [r for r in decoder if r.get("cmdbuf") == "on" and r["form"] == "scan"
+                and r.get("used") and "new_batch_s" in r]
+    if compiles:
+        worst = max(compiles, key=lambda r: r["new_batch_s"])
+        target(f"decoder step: lower + compile at a new batch size (scan, unroll="
+               f"{worst['unroll']}, cmdbuf on, worst of B = "
+               f"{', '.join(str(r['B']) for r in compiles)})", "<= 0.5 s",
+               f"{worst['new_batch_s']:.2f} s (B={worst['B']} -> {worst['new_batch']})",
+               worst["new_batch_s"] <= 0.5, f"{worst['new_batch_s'] - 0.5:+.2f} s")
+
+    for B, expected in FLA_EXPECTED_US.items() if H == 32 else ():
+        fla = find("fla-recurrence", B)
+        if fla:
+            target(f"fla recurrence B={B} T=4 (peer check)", f"about {expected} us on an H200",
+                   f"{fla['us']:.1f} us", None, f"{fla['us'] / expected:.2f}x", info)
+    copy = results.get("copy")
+    if copy and results.get("meta", {}).get("platform") == "gpu":
+        target("copy bandwidth (peer check)", f"about {COPY_EXPECTED_TBPS} TB/s on an H200",
+               f"{copy['tbps']:.3f} TB/s", None,
+               f"{copy['tbps'] / COPY_EXPECTED_TBPS:.2f}x", info)
+    return rows + info
+
+
 def render(results, command=None) -> str:
     meta = results.get("meta", {})
     copy = results.get("copy", {})
@@ -115,18 +248,23 @@ def render(results, command=None) -> str:
                    f"{copy['how']}); every % below is of this")
     out.append("")
 
-    out += ["## Correctness (against reference.chunked_verify, checked before timing)", ""]
+    out += ["## Correctness (against the stock reference and the XLA backend, both run on "
+            "the CPU, checked before timing)", ""]
     rows = []
     for c in results.get("correctness", []):
         if "error" in c:
-            rows.append([c["T"], c["impl"], "ERROR", c["error"][:120], "", ""])
+            rows.append([c["T"], c["impl"], "-", "ERROR", c["error"][:120], "", ""])
             continue
         w = c["worst"]
-        rows.append([c["T"], c["impl"], "ok" if c["ok"] else "**DISAGREES**", w["field"],
-                     f"{w['rel_l2']:.2e}", f"{w['max_abs']:.2e}"])
-    out += [table(["T", "implementation", "result", "worst field", "rel L2", "max abs"], rows),
-            "", "Tolerance: rel L2 <= 2e-2 on bf16 fields, 1e-4 on FP32 state and corrections; "
-            "NaN (an unwritten output: outputs are poisoned first) fails.", ""]
+        rows.append([c["T"], c["impl"], c["reference"], "ok" if c["ok"] else "**DISAGREES**",
+                     w["field"], f"{w['rel_l2']:.2e}", f"{w['max_abs']:.2e}"])
+    out += [table(["T", "implementation", "against", "result", "worst field", "rel L2",
+                   "max abs"], rows),
+            "", "Tolerance (relative L2): 2e-2 on the bf16 output, keys and raw gates, 1e-4 "
+            "on the FP32 state and corrections; the window and pending exact. NaN (an "
+            "unwritten output: the eager kernel's output is poisoned first) fails. The "
+            "references run on the CPU: XLA on a GPU drops f32 -> bf16 -> f32 round trips, "
+            "some of the stock roundings.", ""]
 
     out += ["## Targets", ""]
     verdict = lambda met: "info" if met is None else "met" if met else "**missed**"
@@ -145,7 +283,7 @@ def render(results, command=None) -> str:
         out += [table(["B"] + [label for _, label in present], rows), "",
                 "Graph replay where measured, else `[events]` (one launch at a time) or "
                 "`[jit]` (jitted fori_loop); **!** marks an implementation whose output "
-                "disagreed with the reference.", ""]
+                "disagreed with a reference.", ""]
         fixed = sorted({r["split"] for r in results.get("points", [])
                         if r.get("impl") == "ours-eager" and r.get("T") == T and "us" in r
                         and isinstance(r.get("split"), int)})
@@ -160,47 +298,15 @@ def render(results, command=None) -> str:
                 rows.append(row)
             out += [table(["B", "split auto"] + [f"split {s}" for s in fixed], rows), ""]
 
-    layers = results.get("layers20", [])
-    if layers:
-        out += ["## The cost through JAX: a jitted step of 20 layers (T = 4)", "",
-                "Each layer its own params and cache (donated), `fused_verify` per layer. "
-                "`host`: the jitted step called from Python N times (a decode loop); "
-                "`device`: a jitted fori_loop of N steps (its while loop's own cost "
-                "included); `trace`: host-called steps timed on the device from JAX's "
-                "profiler trace, first kernel's start to last kernel's end (no dispatch, no "
-                "loop). Overhead per call = (step time - layers x raw kernel time) / layers, "
-                "the raw time that of the step's own layers (their weights, caches and "
-                "inputs) through the eager kernel, in the step's process right after it "
-                "was timed, in a CUDA graph where PDL overlaps consecutive launches (where "
-                "that cannot run, the sweep's eager kernel at the same B); 'raw in child "
-                "graphs': the same launches each a child graph of its own, as XLA's "
-                "command buffers hold a custom call (no overlap), and the overhead against "
-                "that: what XLA adds beyond the lost overlap. Command buffers: "
-                "`--xla_gpu_enable_command_buffer=` (off) or XLA's default (on); 'in HLO' "
-                "counts `command_buffer` in the compiled HLO (0 is inconclusive: newer XLA "
-                "also forms command buffers from thunks after HLO).", ""]
-        rows = []
-        for r in layers:
-            if "error" in r:
-                rows.append([r.get("cmdbuf"), "ERROR", r["error"][:150]] + [""] * 7)
-                continue
-            rows.append([r["cmdbuf"], r["mode"], r["B"], f"{r['step_us']:.1f}",
-                         f"{r['raw_us']:.2f} ({r['raw_from']})" if "raw_us" in r else "-",
-                         f"{r['overhead_us']:.2f}" if "overhead_us" in r else "-",
-                         f"{r['serial_us']:.2f}" if "serial_us" in r else "-",
-                         f"{r['overhead_serial_us']:.2f}" if "serial_us" in r else "-",
-                         r.get("command_buffers_in_hlo"), r.get("compile_s")])
-        out += [table(["cmdbuf", "mode", "B", "step us", "raw us per layer", "overhead us per call",
-                       "raw in child graphs", "overhead against it", "in HLO", "compile s"],
-                      rows), ""]
+    out += decoder_section(results.get("decoder", []))
 
     memory = results.get("memory", [])
     if memory:
         out += [f"## Cache bytes per request (H = {memory[0]['heads']})", "",
-                "Ours: one FP32 checkpoint, the conv window (T + 2 positions), one record row "
-                "(T corrections f32, T keys and raw gates bf16), pending. Stock speculative "
-                "layout: one FP32 state per verify token and a conv window of 3 + T - 1 "
-                "positions.", ""]
+                "Ours: one FP32 checkpoint, the conv window (W = T + 3 positions), one record "
+                "row (T corrections f32, T keys and raw gates bf16), pending (an int32 per "
+                "head). Stock speculative layout: one FP32 state per verify token and a conv "
+                "window of 3 + T - 1 positions.", ""]
         mib = lambda b: f"{b / 2**20:.2f} MiB"
         rows = [[m["T"], mib(m["ours_bytes"]), mib(m["stock_bytes"]),
                  f"{m['ours_over_stock']:.3f}", mib(20 * m["ours_bytes"]),
@@ -219,6 +325,48 @@ def render(results, command=None) -> str:
     return "\n".join(out)
 
 
+def form_label(row):
+    """"list", or "scan, unroll=U" with "(not used)" for the unroll not chosen."""
+    if row["form"] != "scan":
+        return row["form"]
+    return f"scan, unroll={row['unroll']}" + ("" if row.get("used") else " (not used)")
+
+
+def decoder_section(rows) -> list:
+    """The decoder step's section of RESULTS.md (lines), [] without rows."""
+    if not rows:
+        return []
+    first = next((r for r in rows if "loop_us" in r), rows[0])
+    out = [f"## The decoder step: {first.get('layers')} layers through JAX", "",
+           DECODER_TEXT.format(layers=first.get("layers"), heads=first.get("heads"),
+                               tokens=first.get("T")), ""]
+    fmt = lambda v, spec=".1f": "-" if v is None else format(v, spec)
+    lines = []
+    for r in rows:
+        if "loop_us" not in r:
+            lines.append([r.get("cmdbuf"), "ERROR" if "error" in r else "skipped",
+                          r.get("B", ""), (r.get("error") or r.get("skipped", ""))[:150]]
+                         + [""] * 9)
+            continue
+        gpu = r.get("gpu") or {}
+        chain = r.get("chain_serial_us")
+        per_layer = ((gpu["step_us"] - r["layers"] * chain) / r["layers"]
+                     if chain and gpu.get("step_us") else None)
+        lines.append([
+            r["cmdbuf"], form_label(r), r["B"], r["S"],
+            f"{r['lower_s']:.2f} + {r['compile_s']:.2f}",
+            f"{r['new_batch_s']:.2f} (B={r['new_batch']})" if "new_batch_s" in r else "-",
+            fmt(r["loop_us"]), fmt(r["blocked_us"]),
+            f"{fmt(gpu.get('step_us'))} ({fmt(gpu.get('busy_us'))})",
+            fmt(gpu.get("kernels"), "g"), f"{r['tokens_per_s']:.0f}",
+            f"{fmt(r.get('chain_us'), '.2f')} / {fmt(chain, '.2f')}",
+            fmt(per_layer, "+.2f")])
+    out += [table(["cmdbuf", "form", "B", "S", "lower + compile s", "new batch s", "loop us",
+                   "blocked us", "GPU us (busy)", "activities", "tokens/s",
+                   "raw us/layer: graph / child graphs", "XLA per layer us"], lines), ""]
+    return out
+
+
 def summary(results) -> str:
     """The short table printed last."""
     lines = []
@@ -226,9 +374,8 @@ def summary(results) -> str:
     if copy:
         lines.append(f"copy {copy['tbps']:.3f} TB/s | {results['meta'].get('gpu')}")
     Ts, Bs = tokens_and_batches(results)
-    short = [("ours-eager", "ours"), ("ours-jit", "ours-jit"), ("ours-jit[jax]", "jit[jax]"),
-             ("chunked-xla", "chunked"), ("stock-xla", "stock"), ("fla-recurrence", "fla-rec"),
-             ("fla-pipeline", "fla-pipe")]
+    short = [("ours-eager", "ours"), ("ours-jit", "ours-jit"), ("xla", "xla"),
+             ("stock-xla", "stock"), ("fla-recurrence", "fla-rec"), ("fla-pipeline", "fla-pipe")]
     for T in Ts:
         present = [(i, n) for i, n in short if any(best_time(results, i, T, B) for B in Bs)]
         lines.append(f"T={T}  " + "".join(f"{n:>17}" for _, n in present))
@@ -239,14 +386,18 @@ def summary(results) -> str:
                 frac = 100 * (r.get("frac") or 0) if r else 0
                 cells.append("-" if r is None else f"{r['us']:.1f}us {frac:.0f}%")
             lines.append(f"B={B:<4} " + "".join(f"{c:>17}" for c in cells))
-    for r in results.get("layers20", []):
-        if "step_us" in r:
-            lines.append(f"{r['layers']} layers B={r['B']} cmdbuf {r['cmdbuf']} "
-                         f"{r['mode']}: step {r['step_us']:.1f} us, overhead/call "
-                         + (f"{r['overhead_us']:.2f} us" if "overhead_us" in r else "-"))
+    for r in results.get("decoder", []):
+        if "loop_us" in r:
+            gpu = gpu_us(r)
+            lines.append(f"decoder {form_label(r)} B={r['B']} S={r['S']} cmdbuf {r['cmdbuf']}: "
+                         f"loop {r['loop_us']:.1f} us, blocked {r['blocked_us']:.1f} us, GPU "
+                         + ("-" if gpu is None else f"{gpu:.1f} us")
+                         + (f", new batch {r['new_batch_s']:.2f} s" if "new_batch_s" in r else ""))
         else:
-            lines.append(f"20 layers cmdbuf {r.get('cmdbuf')}: {r.get('error', '')[:200]}")
-    bad = [f"{c['impl']} T={c['T']}" for c in results.get("correctness", []) if not c.get("ok")]
+            lines.append(f"decoder cmdbuf {r.get('cmdbuf')} B={r.get('B')}: "
+                         f"{(r.get('error') or r.get('skipped', ''))[:200]}")
+    bad = sorted({f"{c['impl']} T={c['T']}" for c in results.get("correctness", [])
+                  if not c.get("ok")})
     lines.append("correctness: " + ("all agree" if not bad else "FLAGGED " + ", ".join(bad)))
     for t in results.get("targets", []):
         verdict = "info" if t["met"] is None else "met" if t["met"] else "MISSED"
@@ -301,6 +452,7 @@ def main(argv=None):
     parser.add_argument("--command", default=None, help="the command to name in RESULTS.md")
     args = parser.parse_args(argv)
     results = json.loads(pathlib.Path(args.results).read_text())
+    results["targets"] = targets(results)
     pathlib.Path(args.output).write_text(render(results, args.command))
     if args.plot:
         plot(results, args.plot)

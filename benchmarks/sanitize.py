@@ -1,50 +1,65 @@
 """Driver for compute-sanitizer (memcheck, racecheck, synccheck): two steps of the fused
 kernel through the eager DLPack path on torch tensors, for each split, with every edge
-case in the batch (padding rows, no records, out-of-range slot and record row). The
-data is built on the CPU so that the only GPU work is the kernel and the copies.
+case in the batch (padding rows, no records, out-of-range slot and record row), then
+two steps of the stacked-layer kernel on a stacked cache, one in range and one with
+an out-of-range layer (every row padding). The data is built on the CPU, so that the
+only GPU work is the kernel and the copies.
 
-    JAX_PLATFORMS=cpu compute-sanitizer --tool memcheck python tests/gpu_sanitize.py
+    JAX_PLATFORMS=cpu compute-sanitizer --tool memcheck python benchmarks/sanitize.py [SPLIT ...]
 """
 import sys
 
 import jax
-import jax.numpy as jnp
-import numpy as np
 import torch
 
 from jax_kda import KdaConfig
 from jax_kda.ffi import eager_verify
 from jax_kda.testing import random_cache, random_inputs, random_params
+from peers import host_to_cuda
 
-SLOTS, RECORDS = 9, 7
+SLOTS, RECORDS, LAYERS = 9, 7, 2
+SLOT_LIST = [3, 0, 5, SLOTS + 2, 1, 7]
+ROW_LIST = [2, 4, -1, 1, RECORDS + 1, 0]
 
 
-def to_torch(tree):
-    def move(a):
-        a = np.asarray(a)
-        if a.dtype == jnp.bfloat16:
-            return torch.from_numpy(a.view(np.uint16).copy()).view(torch.bfloat16).cuda()
-        return torch.from_numpy(a.copy()).cuda()
-    return jax.tree.map(move, tree)
+def steps(config, key, params, cache, layers):
+    """One verify per entry of `layers` (None: unstacked) on the edge-case batch; returns
+    the outputs. Between steps pending goes back to its first counts, as an accept of
+    them would, so that the second step replays."""
+    first = cache.pending.clone()
+    outs = []
+    for step, layer in enumerate(layers):
+        inputs = host_to_cuda(torch, random_inputs(jax.random.fold_in(key, 2 + step), config,
+                                                   SLOT_LIST, ROW_LIST))
+        out = torch.full((len(SLOT_LIST), config.tokens, config.heads, 128), float("nan"),
+                         dtype=torch.bfloat16, device="cuda")
+        index = None if layer is None else torch.tensor([layer], dtype=torch.int32,
+                                                        device="cuda")
+        eager_verify(params, cache, inputs, out, config, layer=index)
+        torch.cuda.synchronize()
+        cache.pending.copy_(first)
+        outs.append(out)
+    return outs
 
 
 def main(splits):
-    slots = [3, 0, 5, SLOTS + 2, 1, 7]
-    rows = [2, 4, -1, 1, RECORDS + 1, 0]
     for split in splits:
         config = KdaConfig(heads=2, tokens=4, split=split)
         key = jax.random.key(split)
-        params = to_torch(random_params(key, config))
-        cache = to_torch(random_cache(jax.random.fold_in(key, 1), config, SLOTS, RECORDS))
-        for step in range(2):
-            inputs = to_torch(random_inputs(jax.random.fold_in(key, 2 + step), config, slots,
-                                            rows))
-            out = torch.full((len(slots), 4, 2, 128), float("nan"), dtype=torch.bfloat16,
-                             device="cuda")
-            eager_verify(params, cache, inputs, out, config)
-            torch.cuda.synchronize()
+        params = host_to_cuda(torch, random_params(key, config))
+        cache = host_to_cuda(torch, random_cache(jax.random.fold_in(key, 1), config, SLOTS,
+                                                 RECORDS))
+        for out in steps(config, key, params, cache, [None, None]):
             assert not torch.isnan(out).any(), f"split {split}: an output was not written"
         print(f"split {split}: 2 steps ran, outputs written", flush=True)
+        params = host_to_cuda(torch, random_params(key, config, layers=LAYERS))
+        cache = host_to_cuda(torch, random_cache(jax.random.fold_in(key, 1), config, SLOTS,
+                                                 RECORDS, layers=LAYERS))
+        inside, outside = steps(config, key, params, cache, [LAYERS - 1, LAYERS + 3])
+        assert not torch.isnan(inside).any(), f"split {split}: a stacked output was not written"
+        assert (outside == 0).all(), f"split {split}: an out-of-range layer wrote outputs"
+        print(f"split {split}: stacked, layer {LAYERS - 1} and out-of-range layer "
+              f"{LAYERS + 3} ran", flush=True)
 
 
 if __name__ == "__main__":

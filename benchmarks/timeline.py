@@ -1,15 +1,16 @@
 """Where a CTA of the fused verify spends its life: the kernel built with timeline=True
-(thread 0 of every CTA stamps the SM clock at each phase, and the SM id and global timer
-at its start and end), launched in steady state (a CUDA graph of back-to-back launches
-on rotated cache sets, so the state comes from HBM and PDL overlaps launches as in the
-benchmark; with --serial, each launch a child graph of its own, as XLA's command buffers
-hold a custom call, so that a launch starts only once the previous one has ended).
-Prints, per point, the mean time of each phase, the CTAs resident per SM, the share of
-the SMs' CTA slots busy and waiting over a launch, how often CTAs sharing an SM run their
-state passes together, and the kernel time of the same build without stamps, and writes
-every stamp to --out.
+(thread 0 of every CTA stamps the SM clock at each `Phase`, and the SM id and global
+timer at its start and end), launched in steady state (a CUDA graph of back-to-back
+launches, each on a cache set of its own, so that the state comes from HBM and PDL
+overlaps launches as in the benchmark; with --serial, each launch a child graph of its
+own, as XLA's command buffers hold a custom call, so that a launch starts only once the
+previous one has ended). The sets' pending counts are restored between replays, so that
+every launch replays its requests' tokens. Prints, per point, the mean time of each
+phase, the CTAs resident per SM, the share of the SMs' CTA slots busy and waiting over a
+launch, how often CTAs sharing an SM run their state passes together, and the kernel
+time of the same build without stamps, and writes every stamp to --out.
 
-    JAX_PLATFORMS=cpu python tests/gpu_timeline.py [--out DIR] [--serial] [B,T,SPLIT ...]
+    JAX_PLATFORMS=cpu python benchmarks/timeline.py [--out DIR] [--serial] [B,T,SPLIT ...]
 """
 import argparse
 import functools
@@ -21,36 +22,35 @@ import jax
 import numpy as np
 import torch
 
-from jax_kda import KdaConfig
+import measure  # benchmarks/, on sys.path as the script's folder
+from jax_kda import KdaConfig, operands
 from jax_kda.ffi import solo_ctas
-from jax_kda.ffi.eager import FIELDS
 from jax_kda.kernels import compile_verify
-from jax_kda.kernels.fused import PHASES, STAMPS
+from jax_kda.kernels.fused import STAMPS, Phase
 from jax_kda.testing import random_cache, random_inputs, random_params
-from gpu_sanitize import to_torch
-
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent / "benchmarks"))
-import measure  # noqa: E402  (benchmarks/ is scripts, not a package)
+from peers import host_to_cuda
 
 H, LAUNCHES, REPLAYS = 32, 32, 10
-PHASE_NAMES = ["weights issued", "griddepcontrol.wait", "reads issued", "gate projection",
-               "operands arrived (and a late state request)", "conv, norms, records",
-               "cluster barrier",
-               "records written, vectors", "state arrived", "state pass", "solve",
-               "gated norm"]
+STATE_BYTES = 128 << 20  # state a launch's cache sets hold at the least: past the L2
+# interval i of a CTA's life runs from Phase(i) to Phase(i + 1), named after its end
+PHASE_NAMES = [phase.name.lower() for phase in Phase][1:]
 
 
-def operands(arrays):
+def cute_tensors(arrays):
+    """CuTe DSL tensors of torch tensors (None stays None: an absent operand)."""
     from cutlass.cute.runtime import from_dlpack
 
-    return [from_dlpack(a, assumed_align=16).mark_layout_dynamic(leading_dim=a.dim() - 1)
+    return [None if a is None else
+            from_dlpack(a, assumed_align=16).mark_layout_dynamic(leading_dim=a.dim() - 1)
             for a in arrays]
 
 
 class Point:
-    """The operands of one (B, T, split) point on the GPU, as the benchmark builds them:
-    enough cache sets (cloned, each with its own copy of the weights) that the state and
-    weights come from HBM, every request with a record row and a slot of its own."""
+    """The operands of one (B, T, split) point on the GPU: one cache set per launch of a
+    graph (at least LAUNCHES, and enough that the state comes from HBM), each cloned
+    with its own copy of the weights, every request with a record row and a slot of its
+    own. `named[i]`: set i's arrays by operand name; `sets[i]`: its CuTe DSL operands
+    in `jax_kda.operands` order."""
 
     def __init__(self, B, T, split):
         import cuda.bindings.driver as cuda
@@ -58,51 +58,53 @@ class Point:
         self.config = KdaConfig(heads=H, tokens=T, split=split)
         self.solo = solo_ctas(self.config, B, split)  # the launch shape eager_verify picks
         key = jax.random.key(B)
-        params = to_torch(random_params(key, self.config))
+        params = host_to_cuda(torch, random_params(key, self.config))
         slots, rows = np.arange(1, B + 1), np.arange(B)
-        self.nsets = max(2, -(-(128 << 20) // (B * H * 128 * 128 * 4)))
-        first = to_torch(random_cache(jax.random.fold_in(key, 1), self.config, B + 1, B))
+        self.nsets = max(LAUNCHES, -(-STATE_BYTES // (B * H * 128 * 128 * 4)))
+        first = host_to_cuda(torch, random_cache(jax.random.fold_in(key, 1), self.config,
+                                                 B + 1, B))
         self.caches = [first] + [jax.tree.map(torch.clone, first)
                                  for _ in range(self.nsets - 1)]
-        inputs = to_torch(random_inputs(jax.random.fold_in(key, 99), self.config, slots,
-                                        rows))
+        self.pending = first.pending.clone()
+        inputs = host_to_cuda(torch, random_inputs(jax.random.fold_in(key, 99), self.config,
+                                                   slots, rows))
         self.out = torch.empty((B, T, H, 128), dtype=torch.bfloat16, device="cuda")
         self.stream = torch.cuda.Stream()
         self.handle = cuda.CUstream(self.stream.cuda_stream)
         weights = [params] + [jax.tree.map(torch.clone, params)
                               for _ in range(self.nsets - 1)]
-        self.named = [dict(vars(inputs), **vars(w), **vars(c), out=self.out)
+        self.named = [dict(zip(operands.NAMES, operands.values(w, c, inputs, None, self.out)))
                       for w, c in zip(weights, self.caches)]
-        self.sets = [operands([n[name] for name in FIELDS]) for n in self.named]
+        self.sets = [cute_tensors(list(n.values())) for n in self.named]
+
+    def rearm(self):
+        """Every set's pending counts back to the first ones (a verify leaves -1)."""
+        for cache in self.caches:
+            cache.pending.copy_(self.pending)
 
     def graph_time(self, compiled, extra=(), sets=None, serial=False, before=None):
-        """Mean microseconds per launch of `compiled`: max(LAUNCHES, sets) back-to-back
-        launches on rotated cache sets in a CUDA graph (PDL overlaps them; `serial`: each
-        launch a child graph of its own, which PDL's edge does not cross), replayed
-        REPLAYS times after one warm-up replay. sets: other operand lists than the
-        verify's, one per cache set. before: work (torch, on this stream) put in front of
-        every launch, as a model's other layers run between its verify calls."""
+        """Median microseconds per launch of `compiled`: one launch per cache set,
+        back to back in a CUDA graph (PDL overlaps them; `serial`: each launch a child
+        graph of its own, which PDL's edge does not cross), REPLAYS replays after two
+        warm-up ones, the pending counts restored before each, outside the timing.
+        sets: other operand lists than the verify's, one per cache set. before: work
+        (torch, on this stream) put in front of every launch, as a model's other layers
+        run between its verify calls."""
         sets = sets or self.sets
 
         def launch(i):
             if before is not None:
                 with torch.cuda.stream(self.stream):
                     before()
-            compiled(self.handle, *sets[i % self.nsets], *extra)
+            compiled(self.handle, *sets[i], *extra)
 
         launch(0)
-        launches = [functools.partial(launch, i) for i in range(max(LAUNCHES, self.nsets))]
-        replay = (measure.child_graph_chain(self.handle, launches) if serial
-                  else self.one_graph(launches))
-        replay()
-        torch.cuda.synchronize()
-        start, stop = (torch.cuda.Event(enable_timing=True) for _ in range(2))
-        start.record(self.stream)
-        for _ in range(REPLAYS):
-            replay()
-        stop.record(self.stream)
-        torch.cuda.synchronize()
-        return start.elapsed_time(stop) * 1e3 / (REPLAYS * len(launches))
+        launches = [functools.partial(launch, i) for i in range(self.nsets)]
+        with torch.cuda.stream(self.stream):
+            replay = (measure.child_graph_chain(self.handle, launches) if serial
+                      else self.one_graph(launches))
+            seconds = measure.replay_time(torch, replay, REPLAYS, reset=self.rearm)
+        return seconds * 1e6 / len(launches)
 
     def one_graph(self, launches):
         graph = torch.cuda.CUDAGraph()
@@ -123,7 +125,7 @@ def run_point(B, T, split, serial=False):
     for timeline in (False, True):
         compiled = compile_verify(point.config, split, True, "float32", "float32",
                                   timeline=timeline, solo=point.solo)
-        extra = operands([stamps]) if timeline else []
+        extra = cute_tensors([stamps]) if timeline else []
         result["us_stamped" if timeline else "us"] = point.graph_time(compiled, extra,
                                                                       serial=serial)
     result["stamps"] = stamps.cpu().numpy()
@@ -135,7 +137,8 @@ def summarize(stamps, period_us):
     how the SMs' CTA slots spent the launch period: `busy` holding a CTA outside
     griddepcontrol.wait, `waiting` holding one in it (the first wave, while the previous
     launch ends), idle the rest."""
-    sm, begin, end, clocks = stamps[:, 0], stamps[:, 1], stamps[:, 2], stamps[:, 3:3 + PHASES]
+    sm, begin, end = stamps[:, 0], stamps[:, 1], stamps[:, 2]
+    clocks = stamps[:, 3:3 + len(Phase)]
     live = clocks[:, -1] > 0  # padding CTAs stamp only the start
     ghz = (clocks[live, -1] - clocks[live, 0]).sum() / (end[live] - begin[live]).sum()
     phases = np.diff(clocks[live], axis=1) / ghz / 1e3
@@ -147,7 +150,7 @@ def summarize(stamps, period_us):
                        for s in np.unique(sm)])
     # slots: the most CTAs seen on one SM at once, on every SM of the device
     slots = per_sm.max() * torch.cuda.get_device_properties(0).multi_processor_count
-    wait = phases[:, 1].sum()
+    wait = phases[:, Phase.WAITED - 1].sum()
     return dict(ghz=float(ghz), span_us=float(span), life_us=float(life.mean()),
                 resident=float(per_sm.mean()), ctas=int(live.sum()),
                 busy=float((life.sum() - wait) / (slots * period_us)),
@@ -161,10 +164,10 @@ def neighbours(stamps):
     state pass during which another CTA of its SM is in its own (SM clocks compare on
     one SM). Independent phases give about the first times the share of the time a
     neighbour is resident; more means in step, less apart."""
-    sm, clocks = stamps[:, 0], stamps[:, 3:3 + PHASES]
+    sm, clocks = stamps[:, 0], stamps[:, 3:3 + len(Phase)]
     live = clocks[:, -1] > 0
     sm, clocks = sm[live], clocks[live]
-    start, stop = clocks[:, 9], clocks[:, 10]  # the state pass: stamps 9 to 10
+    start, stop = clocks[:, Phase.STATE_ARRIVED], clocks[:, Phase.STATE_PASSED]
     shared = 0
     for s in np.unique(sm):
         on = np.where(sm == s)[0]
@@ -172,7 +175,7 @@ def neighbours(stamps):
                    - np.maximum(start[on, None], start[None, on])).clip(0)
         shared += overlap.sum() - np.trace(overlap)
     passes = (stop - start).sum()
-    return dict(pass_share=float(passes / (clocks[:, -1] - clocks[:, 2]).sum()),
+    return dict(pass_share=float(passes / (clocks[:, -1] - clocks[:, Phase.WAITED]).sum()),
                 pass_shared=float(shared / passes))
 
 

@@ -10,20 +10,31 @@ The draft is the target's bigram: embedding -> final norm -> unembedding, no lay
 is stateless and cheap, and it agrees with the target only where the layers do not
 change the argmax, which gives realistic partial acceptance.
 
-One decode step, a single `jax.jit` with every layer's cache donated: draft T-1 tokens
-after each request's last token; run the target on those T tokens, every layer through
-`jax_kda.fused_verify` on its own cache; accept the longest prefix of drafts that the
-target's argmax agrees with plus the target's next token; `jax_kda.accept` the count.
-Requests of different prompt lengths share the batch; a finished request frees its slot
-and a waiting one is prefilled into it (`jax_kda.prefill`); empty rows are padding.
+The layers are stacked: every block weight, the KDA layers' `KdaParams` included, has a
+leading [L] axis, and all layers share one `KdaCache` of `init_cache(..., layers=L)`.
+One decode step is a single `jax.jit` with that cache donated: draft T-1 tokens after
+each request's last token; run the target on those T tokens, the blocks under
+`jax.lax.scan` over layers with the stacked cache in the carry, each block's KDA layer
+`jax_kda.fused_verify(params, cache, ..., layer=i)` on the whole stacked params and
+cache (i the layer index, nothing sliced or copied); accept the longest prefix of
+drafts that the target's argmax agrees with plus the target's next token;
+`jax_kda.accept` the count, once for all layers. Requests of different prompt lengths
+share the batch; a finished request frees its slot and a waiting one is prefilled into
+it (`jax_kda.prefill(..., layer=i)` in the same scan, one donated jit); empty rows are
+padding. `--layer-list` runs the same model the unstacked way for comparison: a Python
+list of per-layer weights and caches, one `fused_verify` and one `accept` per layer.
 
 The proof: every generated token must be the token plain greedy decoding picks after
 the same prefix, with the whole model run over the sequence and every KDA layer the
-stock per-token recurrence (`reference.stock_prefill`); by induction over the tokens,
-that is token-for-token equality with plain greedy decoding from each prompt. Where
-greedy decoding's top two logits are within TIE, the contract's freedom in FP32
-summation order can break the tie either way; such a token is reported as a tie, any
-other difference as a failure (exit status 1).
+stock per-token recurrence (`jax_kda.ref.stock_prefill`, layer by layer on per-layer
+caches); by induction over the tokens, that is token-for-token equality with plain
+greedy decoding from each prompt. Where greedy decoding's top two logits are within
+TIE, the contract's freedom in FP32 summation order can break the tie either way; such
+a token is reported as a tie, any other difference as a failure (exit status 1).
+
+On a GPU the decode step is also timed on a full batch: its wall time per step in the
+Python loop against the device's busy time per step from JAX's profiler trace
+(`jax_kda.profiling`), the difference being the host's dispatch and waiting.
 
     python examples/speculative_decoding.py                       # small, CPU, < 1 minute
     python examples/speculative_decoding.py --heads 32 --dim 2304 --batch 32  # Kimi-Linear-like
@@ -33,6 +44,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
+import statistics
 import sys
 import time
 from typing import NamedTuple
@@ -42,17 +54,21 @@ import jax.numpy as jnp
 import numpy as np
 
 import jax_kda
-from jax_kda import K, KdaConfig, KdaParams, PrefillInputs, VerifyInputs
+from jax_kda import K, KdaCache, KdaConfig, KdaParams, PrefillInputs, VerifyInputs
 from jax_kda.layer import HIGHEST
-from jax_kda.reference import stock_prefill
+from jax_kda.profiling import traced_steps
+from jax_kda.ref import stock_prefill
 from jax_kda.testing import random_params
 from jax_kda.verify import BACKENDS, cutedsl_supported
 
 PROGRESS_SECONDS = 5.0  # a progress line at most this often
 # Stock logits this close are a tie: the recurrences may order FP32 sums differently
-# (SPEC.md), bf16 roundings amplify that, and top logits (std ~1) were seen to differ
-# by up to 2.2e-3 between them on CPU and H200.
+# (docs/spec.md), bf16 roundings amplify that, and top logits (std ~1) were seen to
+# differ by up to 2.2e-3 between them on CPU and H200.
 TIE = 1e-2
+TIMED_STEPS = 20  # full-batch decode steps timed on a GPU, in the loop and in the trace
+DECODE_UNROLL = True  # constant layer indices: no while loop, no per-step copy of layer weights
+PREFILL_UNROLL = 1  # rolled: compile time flat in L, for a call made once per admission
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,8 +94,8 @@ class ModelConfig:
 
 
 class Block(NamedTuple):
-    """One block's weights: the KDA layer's projections (from the residual width D) and
-    its `KdaParams`, then the MLP (width 2D)."""
+    """A block's weights: the KDA layer's projections (from the residual width D) and
+    its `KdaParams`, then the MLP (width 2D). Stacked, every leaf has a leading [L]."""
 
     norm: jax.Array      # [D]
     w_x: jax.Array       # [D, 3 * H * K]: q, k, v before the short convolution
@@ -94,22 +110,24 @@ class Block(NamedTuple):
 
 
 class Model(NamedTuple):
-    """The target's weights; the draft uses embed, final_norm and unembed alone."""
+    """The target's weights; the draft uses embed, final_norm and unembed alone.
+    blocks: one stacked `Block` (leaves [L, ...]), or a tuple of L per-layer ones
+    (`unstacked`)."""
 
     embed: jax.Array       # [V, D]
-    blocks: tuple          # Block per layer
+    blocks: Block | tuple
     final_norm: jax.Array  # [D]
     unembed: jax.Array     # [V, D]
 
 
 def init_model(seed: int, config: ModelConfig) -> Model:
-    """Deterministic random weights: projections scaled by fan-in, KDA weights from
-    `jax_kda.testing.random_params` (spread like a trained layer's)."""
+    """Deterministic random weights, blocks stacked: projections scaled by fan-in, KDA
+    weights from `jax_kda.testing.random_params` (spread like a trained layer's)."""
     D, H, V = config.dim, config.heads, config.vocab
     keys = iter(jax.random.split(jax.random.PRNGKey(seed), 2 + 8 * config.layers))
     dense = lambda rows, cols, gain=1.0: gain * rows**-0.5 * jax.random.normal(
         next(keys), (rows, cols), jnp.float32)
-    blocks = tuple(
+    blocks = [
         Block(
             norm=jnp.ones((D,), jnp.float32),
             w_x=dense(D, 3 * H * K),
@@ -122,9 +140,16 @@ def init_model(seed: int, config: ModelConfig) -> Model:
             w_up=dense(D, 2 * D),
             w_down=dense(2 * D, D, config.residual_gain),
         )
-        for _ in range(config.layers))
-    return Model(embed=jax.random.normal(next(keys), (V, D), jnp.float32), blocks=blocks,
+        for _ in range(config.layers)]
+    return Model(embed=jax.random.normal(next(keys), (V, D), jnp.float32),
+                 blocks=jax.tree.map(lambda *leaves: jnp.stack(leaves), *blocks),
                  final_norm=jnp.ones((D,), jnp.float32), unembed=dense(D, V).T)
+
+
+def unstacked(model: Model, config: ModelConfig) -> Model:
+    """The model with its stacked blocks as a tuple of L per-layer `Block`s."""
+    blocks = tuple(jax.tree.map(lambda a: a[i], model.blocks) for i in range(config.layers))
+    return model._replace(blocks=blocks)
 
 
 def rms_norm(h, weight):
@@ -135,27 +160,48 @@ def matmul(a, w):
     return jnp.matmul(a, w, precision=HIGHEST)
 
 
-def forward(model: Model, config: ModelConfig, caches, tokens, kda_layer):
-    """The target on tokens [B, N]: (hidden [B, N, D] before the final norm, caches).
-
-    kda_layer(params, cache, x, f_a, beta, gate) -> (out [B, N, H, K] bf16, cache) runs
-    one KDA layer (a verify, a prefill or the stock reference); caches: one per block.
-    """
-    B, N = tokens.shape
+def block_forward(block: Block, config: ModelConfig, h, kda_layer):
+    """One block on h [B, N, D] f32: (h, cache). kda_layer(x, f_a, beta, gate) ->
+    (out [B, N, H, K] bf16, cache) runs its KDA layer on the bf16 projections."""
+    B, N, _ = h.shape
     H = config.heads
+    a = rms_norm(h, block.norm)
+    bf16 = lambda y, *shape: y.reshape(B, N, *shape).astype(jnp.bfloat16)
+    out, cache = kda_layer(bf16(matmul(a, block.w_x), 3, H, K), bf16(matmul(a, block.w_fa), K),
+                           bf16(matmul(a, block.w_beta), H), bf16(matmul(a, block.w_gate), H, K))
+    h = h + matmul(out.reshape(B, N, H * K).astype(jnp.float32), block.w_out)
+    h = h + matmul(jax.nn.silu(matmul(rms_norm(h, block.mlp_norm), block.w_up)), block.w_down)
+    return h, cache
+
+
+def forward(model: Model, config: ModelConfig, cache, tokens, kda_layer, unroll=1):
+    """The target on tokens [B, N]: (hidden [B, N, D] before the final norm, cache).
+
+    kda_layer(params, cache, x, f_a, beta, gate, layer) -> (out [B, N, H, K] bf16,
+    cache) runs one KDA layer (a verify, a prefill or the stock reference). With stacked
+    blocks and a stacked `KdaCache`, the blocks run under `lax.scan` (unrolled by
+    `unroll`, as `lax.scan` takes it) and kda_layer gets the whole stacked params and
+    cache and the int32 layer index; with a tuple of blocks and a list of caches, one
+    call per layer with layer None.
+    """
     h = model.embed[tokens]
-    new_caches = []
-    for block, cache in zip(model.blocks, caches):
-        a = rms_norm(h, block.norm)
-        bf16 = lambda y, *shape: y.reshape(B, N, *shape).astype(jnp.bfloat16)
-        out, cache = kda_layer(block.kda, cache, bf16(matmul(a, block.w_x), 3, H, K),
-                               bf16(matmul(a, block.w_fa), K), bf16(matmul(a, block.w_beta), H),
-                               bf16(matmul(a, block.w_gate), H, K))
-        h = h + matmul(out.reshape(B, N, H * K).astype(jnp.float32), block.w_out)
-        h = h + matmul(jax.nn.silu(matmul(rms_norm(h, block.mlp_norm), block.w_up)),
-                       block.w_down)
-        new_caches.append(cache)
-    return h, new_caches
+    if isinstance(cache, KdaCache):
+        def step(carry, scanned):
+            h, cache = carry
+            block, i = scanned
+            return block_forward(block, config, h, functools.partial(
+                kda_layer, model.blocks.kda, cache, layer=i)), None
+
+        layers = jnp.arange(config.layers, dtype=jnp.int32)
+        (h, cache), _ = jax.lax.scan(step, (h, cache), (model.blocks._replace(kda=None), layers),
+                                     unroll=unroll)
+        return h, cache
+    caches = []
+    for block, layer_cache in zip(model.blocks, cache):
+        h, layer_cache = block_forward(block, config, h, functools.partial(
+            kda_layer, block.kda, layer_cache, layer=None))
+        caches.append(layer_cache)
+    return h, caches
 
 
 def logits_of(model: Model, h):
@@ -174,12 +220,12 @@ def draft_next(model: Model, tokens):
     return greedy(logits_of(model, model.embed[tokens]))[0]
 
 
-def decode_step(model: Model, caches, last, slots, record_rows, *, config: ModelConfig,
+def decode_step(model: Model, cache, last, slots, record_rows, *, config: ModelConfig,
                 backend: str):
     """One speculative step for the batch. last: [B] each request's newest token, not yet
     seen by the target; slots, record_rows: [B] (padding rows: slot 0, record row -1).
 
-    Returns (caches, target [B, T], accepted [B], top [B, T]): target[b, :accepted[b]]
+    Returns (cache, target [B, T], accepted [B], top [B, T]): target[b, :accepted[b]]
     are request b's new tokens, top the top-1 logits of those decisions.
     """
     drafts = [last]
@@ -187,54 +233,58 @@ def decode_step(model: Model, caches, last, slots, record_rows, *, config: Model
         drafts.append(draft_next(model, drafts[-1]))
     tokens = jnp.stack(drafts, axis=1)  # [B, T]: last token, then T-1 drafts
 
-    def verify(params, cache, x, f_a, beta, gate):
+    def verify(params, cache, x, f_a, beta, gate, layer):
         inputs = VerifyInputs(x, f_a, beta, gate, slots, record_rows)
-        return jax_kda.fused_verify(params, cache, inputs, config.kda, backend=backend)
+        return jax_kda.fused_verify(params, cache, inputs, config.kda, backend=backend,
+                                    layer=layer)
 
-    h, caches = forward(model, config, caches, tokens, verify)
+    h, cache = forward(model, config, cache, tokens, verify, DECODE_UNROLL)
     target, top, _ = greedy(logits_of(model, h))
     # Draft i + 1 stands if the target's argmax after token i equals it, and so did all before.
     agree = jnp.cumprod(tokens[:, 1:] == target[:, :-1], axis=1)
     accepted = 1 + jnp.sum(agree, axis=1, dtype=jnp.int32)
-    caches = [jax_kda.accept(cache, record_rows, accepted) for cache in caches]
-    return caches, target, accepted, top
+    accept = functools.partial(jax_kda.accept, record_rows=record_rows, accepted=accepted,
+                               config=config.kda)
+    cache = accept(cache) if isinstance(cache, KdaCache) else [accept(c) for c in cache]
+    return cache, target, accepted, top
 
 
-def prefill_step(model: Model, caches, prompts, lengths, slots, record_rows, *,
+def prefill_step(model: Model, cache, prompts, lengths, slots, record_rows, *,
                  config: ModelConfig):
-    """Prefills prompts [B, L] (lengths [B]) into their slots; padding rows have slot 0.
+    """Prefills prompts [B, P] (lengths [B]) into their slots; padding rows have slot 0.
 
-    Returns (caches, first [B], top [B]): each request's first new token, the target's
+    Returns (cache, first [B], top [B]): each request's first new token, the target's
     argmax after its last prompt token, and its logit.
     """
 
-    def layer(params, cache, x, f_a, beta, gate):
+    def layer(params, cache, x, f_a, beta, gate, layer):
         inputs = PrefillInputs(x, f_a, beta, gate, lengths, slots, record_rows)
-        return jax_kda.prefill(params, cache, inputs, config.kda)
+        return jax_kda.prefill(params, cache, inputs, config.kda, layer=layer)
 
-    h, caches = forward(model, config, caches, prompts, layer)
+    h, cache = forward(model, config, cache, prompts, layer, PREFILL_UNROLL)
     last = jnp.take_along_axis(h, jnp.maximum(lengths - 1, 0)[:, None, None], axis=1)[:, 0]
     first, top, _ = greedy(logits_of(model, last))
-    return caches, first, top
+    return cache, first, top
 
 
 def stock_greedy(model: Model, sequences, lengths, *, config: ModelConfig):
-    """Plain greedy decoding's view of sequences [N, L] (lengths [N]): the whole model with
-    every KDA layer the stock per-token scan from a zero state.
+    """Plain greedy decoding's view of sequences [N, P] (lengths [N]): the whole model
+    with every KDA layer the stock per-token scan from a zero state, layer by layer on
+    per-layer caches (no stacked indexing, no verify).
 
     Returns, per position p, for greedy decoding's choice after sequences[:, :p + 1]:
-    (top [N, L], its logit; margin [N, L], top-1 minus top-2 logit; gap [N, L], top minus
-    the logit of the token the sequence holds at p + 1).
+    (top [N, P], its logit; margin [N, P], top-1 minus top-2 logit; gap [N, P], top
+    minus the logit of the token the sequence holds at p + 1).
     """
     N = sequences.shape[0]
     slots = jnp.arange(1, N + 1, dtype=jnp.int32)
     caches = [jax_kda.init_cache(config.kda, N + 1, N) for _ in range(config.layers)]
 
-    def layer(params, cache, x, f_a, beta, gate):
+    def layer(params, cache, x, f_a, beta, gate, layer):
         inputs = PrefillInputs(x, f_a, beta, gate, lengths, slots, slots - 1)
-        return stock_prefill(params, cache, inputs, config.kda)
+        return stock_prefill(params, cache, inputs, config.kda, layer=layer)
 
-    h, _ = forward(model, config, caches, sequences, layer)
+    h, _ = forward(unstacked(model, config), config, caches, sequences, layer)
     logits = logits_of(model, h)
     following = jnp.roll(sequences, -1, axis=1)[..., None]
     _, top, margin = greedy(logits)
@@ -261,6 +311,49 @@ def indices(live):
             np.where(live, rows, -1).astype(np.int32))
 
 
+class Engine:
+    """The compiled prefill and decode step of a batch of `batch` rows and the cache they
+    donate: one stacked `KdaCache` (layers=L), or with `layer_list` a list of L
+    per-layer ones beside per-layer weights. Prompts hold up to `max_prompt` tokens."""
+
+    def __init__(self, model: Model, config: ModelConfig, batch: int, max_prompt: int,
+                 backend: str = "auto", layer_list: bool = False):
+        self.config, self.batch, self.width = config, batch, round_up(max_prompt)
+        L, kda = config.layers, config.kda
+        if layer_list:
+            self.model = unstacked(model, config)
+            self.cache = [jax_kda.init_cache(kda, batch + 1, batch) for _ in range(L)]
+        else:
+            self.model, self.cache = model, jax_kda.init_cache(kda, batch + 1, batch, layers=L)
+        zeros = np.zeros(batch, np.int32)
+        padding = indices(zeros > 0)
+        tick = time.perf_counter()
+        self._prefill = jax.jit(functools.partial(prefill_step, config=config),
+                                donate_argnums=1).lower(
+            self.model, self.cache, padded([[]] * batch, self.width), zeros, *padding).compile()
+        self.prefill_compile_s = time.perf_counter() - tick
+        tick = time.perf_counter()
+        self._decode = jax.jit(functools.partial(decode_step, config=config, backend=backend),
+                               donate_argnums=1).lower(
+            self.model, self.cache, zeros, *padding).compile()
+        self.decode_compile_s = time.perf_counter() - tick
+
+    def prefill(self, texts):
+        """Prefills the rows whose token list in texts (one per row) is not empty, the
+        others padding. Returns (first [B] int32, top [B] f32) as NumPy arrays."""
+        lengths = np.array([len(t) for t in texts], np.int32)
+        self.cache, first, top = self._prefill(self.model, self.cache,
+                                               padded(texts, self.width), lengths,
+                                               *indices(lengths > 0))
+        return np.asarray(first), np.asarray(top)
+
+    def decode(self, last, live):
+        """One decode step of last [B] (live [B] bool; other rows are padding). Returns
+        (target [B, T], accepted [B], top [B, T]) as NumPy arrays, as `decode_step`."""
+        self.cache, *results = self._decode(self.model, self.cache, last, *indices(live))
+        return tuple(map(np.asarray, results))
+
+
 @dataclasses.dataclass
 class Run:
     """What a decoding run produced: per request its new tokens, and per token the
@@ -274,25 +367,13 @@ class Run:
     prefill_calls: int = 0
     prefill_s: float = 0.0
     decode_s: float = 0.0
-    compile_s: float = 0.0
 
 
-def speculative_decode(model: Model, config: ModelConfig, prompts, new_tokens: int,
-                       batch: int, backend: str = "auto", progress=None) -> Run:
+def speculative_decode(engine: Engine, prompts, new_tokens: int, progress=None) -> Run:
     """Greedy speculative decoding of every prompt (token lists) to new_tokens tokens,
-    `batch` requests at a time; progress(run) is called now and then if given."""
-    max_len = round_up(max(map(len, prompts)))
-    caches = [jax_kda.init_cache(config.kda, batch + 1, batch) for _ in range(config.layers)]
-    zeros = np.zeros(batch, np.int32)
-    padding = indices(zeros > 0)
-    start = time.perf_counter()
-    prefill = jax.jit(functools.partial(prefill_step, config=config), donate_argnums=1).lower(
-        model, caches, padded([[]] * batch, max_len), zeros, *padding).compile()
-    decode = jax.jit(functools.partial(decode_step, config=config, backend=backend),
-                     donate_argnums=1).lower(model, caches, zeros, *padding).compile()
-    run = Run(tokens=[[] for _ in prompts], tops=[[] for _ in prompts],
-              compile_s=time.perf_counter() - start)
-
+    `engine.batch` requests at a time; progress(run) is called now and then if given."""
+    batch = engine.batch
+    run = Run(tokens=[[] for _ in prompts], tops=[[] for _ in prompts])
     waiting = list(range(len(prompts)))[::-1]
     row_request = [None] * batch  # request in each batch row (slot row + 1, record row)
     last = np.zeros(batch, np.int32)
@@ -313,13 +394,9 @@ def speculative_decode(model: Model, config: ModelConfig, prompts, new_tokens: i
         for row in admitted:
             row_request[row] = waiting.pop()
         if admitted:
-            live = np.isin(np.arange(batch), admitted)
-            texts = [prompts[row_request[row]] if live[row] else [] for row in range(batch)]
             tick = time.perf_counter()
-            caches, first, top = prefill(
-                model, caches, padded(texts, max_len),
-                np.array([len(t) for t in texts], np.int32), *indices(live))
-            first, top = np.asarray(first), np.asarray(top)
+            first, top = engine.prefill([prompts[row_request[row]] if row in admitted else []
+                                         for row in range(batch)])
             run.prefill_s += time.perf_counter() - tick
             run.prefill_calls += 1
             for row in admitted:
@@ -327,8 +404,7 @@ def speculative_decode(model: Model, config: ModelConfig, prompts, new_tokens: i
             continue  # admit again if a one-token request finished already
         live = np.array([r is not None for r in row_request])
         tick = time.perf_counter()
-        caches, target, accepted, top = decode(model, caches, last, *indices(live))
-        target, accepted, top = map(np.asarray, (target, accepted, top))
+        target, accepted, top = engine.decode(last, live)
         run.decode_s += time.perf_counter() - tick
         run.steps += 1
         run.row_steps += int(live.sum())
@@ -340,6 +416,30 @@ def speculative_decode(model: Model, config: ModelConfig, prompts, new_tokens: i
             shown = time.perf_counter()
             progress(run)
     return run
+
+
+def time_decode(engine: Engine, prompts, steps: int):
+    """The decode step on a full batch (rows prefilled with prompts, cycled), `steps`
+    steps timed in the Python loop, then `steps` more under JAX's profiler.
+
+    Returns (wall seconds per step, the median; `traced_steps`' dict of the device's
+    times per step).
+    """
+    live = np.ones(engine.batch, bool)
+    last, _ = engine.prefill([prompts[row % len(prompts)] for row in range(engine.batch)])
+
+    def step():
+        nonlocal last
+        target, accepted, _ = engine.decode(last, live)
+        last = target[np.arange(engine.batch), accepted - 1]
+
+    walls = []
+    for _ in range(steps):
+        tick = time.perf_counter()
+        step()
+        walls.append(time.perf_counter() - tick)
+    traced = traced_steps(lambda: [step() for _ in range(steps)], steps)
+    return statistics.median(walls), traced
 
 
 class Verdict(NamedTuple):
@@ -359,7 +459,7 @@ def check(model: Model, config: ModelConfig, prompts, run: Run) -> Verdict:
     per-token recurrence after the same prefix (one pass over the whole sequences). If
     every gap is 0, every token is greedy decoding's choice after the tokens before it,
     so by induction the run equals plain greedy decoding from each prompt, token for
-    token."""
+    token. model: the stacked one `init_model` returns."""
     sequences = [p + t for p, t in zip(prompts, run.tokens)]
     lengths = np.array([len(s) for s in sequences], np.int32)
     stock = jax.jit(functools.partial(stock_greedy, config=config))
@@ -399,6 +499,9 @@ def parse_args(argv=None):
     parser.add_argument("--backend", choices=BACKENDS, default="auto",
                         help="fused_verify's backend: auto = the CuTe DSL kernel on "
                              "H100/H200, else pure JAX")
+    parser.add_argument("--layer-list", action="store_true",
+                        help="run the layers unstacked, for comparison: a Python list of "
+                             "per-layer weights and caches, one fused_verify each")
     parser.add_argument("--seed", type=int, default=0, help="weights and prompts")
     parser.add_argument("--no-check", action="store_true",
                         help="skip the check against stock greedy decoding")
@@ -421,13 +524,14 @@ def main(argv=None) -> int:
     resolved = args.backend
     if resolved == "auto":
         resolved = "cutedsl" if cutedsl_supported() else "jax"
-    device = jax.devices()[0]
+    form = ("a list of per-layer weights and caches" if args.layer_list else
+            "stacked, under lax.scan over layers")
     print(f"target: {config.layers} KDA layers of {config.heads} heads x {K}, dim "
-          f"{config.dim}, vocab {config.vocab}; draft: the target's bigram (no layers)")
+          f"{config.dim}, vocab {config.vocab}, {form}; draft: the target's bigram (no layers)")
     print(f"decode: T={config.tokens} (1 + {config.tokens - 1} drafts), batch {args.batch}, "
           f"{args.requests} requests of {args.new_tokens} new tokens, prompts of 1.."
           f"{args.max_prompt}; fused_verify backend {resolved} ({args.backend}) on "
-          f"{device.device_kind}")
+          f"{jax.devices()[0].device_kind}")
 
     model = init_model(args.seed, config)
     prompts = random_prompts(args.seed, args.requests, args.max_prompt, config.vocab)
@@ -439,20 +543,35 @@ def main(argv=None) -> int:
               f"{run.accepted / run.row_steps:.2f} accepted per request-step, "
               f"{made / (run.prefill_s + run.decode_s):.0f} tokens/s", flush=True)
 
-    run = speculative_decode(model, config, prompts, args.new_tokens, args.batch,
-                             args.backend, progress)
+    engine = Engine(model, config, args.batch, args.max_prompt, args.backend, args.layer_list)
+    print(f"compile: decode step {engine.decode_compile_s:.1f} s, prefill "
+          f"{engine.prefill_compile_s:.1f} s (each once)", flush=True)
+    run = speculative_decode(engine, prompts, args.new_tokens, progress)
     made, prompt_tokens = sum(map(len, run.tokens)), sum(map(len, prompts))
     total = run.prefill_s + run.decode_s
-    print(f"compile: {run.compile_s:.1f} s (the prefill and the decode step, once each)")
     print(f"prefill: {prompt_tokens} prompt tokens of {len(prompts)} requests in "
           f"{run.prefill_calls} calls, {run.prefill_s:.2f} s "
           f"({100 * run.prefill_s / total:.0f}%), each request's first new token")
     decoded = made - len(prompts)
     print(f"decode: {run.steps} steps, {decoded} new tokens in {run.decode_s:.2f} s "
-          f"({100 * run.decode_s / total:.0f}%), {decoded / max(run.decode_s, 1e-9):.0f} "
-          f"tokens/s; mean accepted tokens per request per step "
-          f"{run.accepted / max(run.row_steps, 1):.2f} (of T={config.tokens})")
+          f"({100 * run.decode_s / total:.0f}%, {1e3 * run.decode_s / run.steps:.2f} ms per "
+          f"step), {decoded / max(run.decode_s, 1e-9):.0f} tokens/s; mean accepted tokens "
+          f"per request per step {run.accepted / max(run.row_steps, 1):.2f} "
+          f"(of T={config.tokens})")
     print(f"throughput: {made} new tokens in {total:.2f} s, {made / total:.0f} tokens/s")
+    if jax.default_backend() == "gpu":
+        wall, traced = time_decode(engine, prompts, TIMED_STEPS)
+        if traced["steps"]:
+            print(f"decode step, full batch of {args.batch}: wall {1e3 * wall:.3f} ms per step "
+                  f"(Python loop, median of {TIMED_STEPS}), GPU {1e-3 * traced['step_us']:.3f} "
+                  f"ms (profiler trace, first activity's start to last one's end, median; "
+                  f"busy {1e-3 * traced['busy_us']:.3f} ms in {traced['kernels']:.0f} kernels and "
+                  f"device copies)")
+        else:
+            print("decode step GPU time: the profiler trace held no GPU activity")
+    else:
+        print(f"decode step GPU time: not available on {jax.default_backend()} (it comes "
+              f"from JAX's profiler trace of a GPU)")
     if args.no_check:
         return 0
     tick = time.perf_counter()
@@ -483,6 +602,7 @@ def main(argv=None) -> int:
           f"runs' top logits differ there by {verdict.drift[tight]:.1e}); largest difference "
           f"{verdict.drift[loose]:.1e} (margin there {verdict.margin[loose]:.1e})")
     return 0
+
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -1,0 +1,302 @@
+"""What a JAX decoder gets from the verify: one speculative step of L KDA layers
+(Kimi-Linear's 20 by default, H = 32, T = 4), jitted with the cache donated, in two
+forms:
+
+- scan: stacked params and cache (a leading [L] on every leaf), `jax.lax.scan` over the
+  layer index with the cache in the carry, `fused_verify(..., layer=i)` per layer, then
+  one `accept` of the stacked cache;
+- list: L per-layer params and caches, a Python loop of `fused_verify` per layer, then
+  `accept` per layer.
+
+Every layer verifies the same step's inputs and nothing runs between the layers (a
+decoder's projections would); the step returns the cache, so blocking on it waits for
+the whole step. The cache holds B + SPARE slots and record rows, so that a larger batch
+fits it. Per batch size B and form, a row of:
+
+- lower_s, compile_s: the first `jax.jit(step).lower(...)` and its `.compile()`; the
+  first lowering of a kernel configuration also compiles its CuTe DSL kernel;
+- new_batch, new_batch_s: lower + compile at the next batch size that launches the same
+  kernel (same split and launch shape), on the same cache: what a decoder pays when
+  its batch size changes once the configuration is compiled;
+- loop_us: wall time per step of N steps called from Python without blocking, then one
+  block (the dispatch-bound throughput); blocked_us: with a block after every step (a
+  decoder that needs its tokens back); tokens_per_s = B x T / blocked_us;
+- gpu (on a GPU): the device's time per step from JAX's profiler trace of
+  TRACED_STEPS host-called steps (`jax_kda.profiling.traced_steps`: step_us the span
+  of a step's activities, busy_us the time some activity ran, kernels per step, the
+  commonest names);
+- chain_us, chain_serial_us: per layer, the step's layers through the eager kernel on
+  its own buffers, in one CUDA graph (PDL overlaps the launches) and with each launch a
+  child graph of its own (as XLA's command buffers hold a custom call); on a GPU with
+  torch only.
+
+The scan's unroll (1: a while loop over the layers; True: the layers in a straight
+line) is tried both ways at the first batch, unless --unroll names it; the one with the
+lower blocked wall time is used from then on (within 2% of each other, the one with the
+cheaper new-batch compile): its rows have used = True. At the first batch the used
+scan also runs on a cache of SLOTS_CHECK slots (the same live rows): its step time must
+not depend on S.
+
+XLA flags come from the environment; bench.py runs it once per command-buffer setting:
+
+    XLA_FLAGS=--xla_gpu_enable_command_buffer= python benchmarks/decoder.py --json out.json
+"""
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # torch shares the GPU
+
+import argparse
+import collections
+import dataclasses
+import functools
+import json
+import pathlib
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import measure  # benchmarks/, on sys.path as the script's folder
+import peers
+from jax_kda import KdaConfig, accept, fused_verify
+from jax_kda.profiling import traced_steps
+from jax_kda.testing import random_accepted, random_cache, random_inputs, random_params
+from jax_kda.verify import cutedsl_supported
+
+SPARE = 16  # slots and record rows past the batch's (B = 1 runs on S = 17)
+SLOTS_CHECK = 1025
+UNROLLS = (1, True)
+TRACED_STEPS = 16
+STEP_SECONDS = 0.2  # wall time each timed loop aims at
+
+
+def scan_step(config: KdaConfig, layers: int, backend: str, unroll):
+    """The scan form: (params, cache, inputs, accepted [B]) -> cache, params and cache
+    stacked over `layers`."""
+    def step(params, cache, inputs, accepted):
+        def layer(cache, i):
+            _, cache = fused_verify(params, cache, inputs, config, backend=backend, layer=i)
+            return cache, None
+
+        cache, _ = jax.lax.scan(layer, cache, jnp.arange(layers, dtype=jnp.int32),
+                                unroll=unroll)
+        return accept(cache, inputs.record_rows, accepted, config)
+    return step
+
+
+def list_step(config: KdaConfig, backend: str):
+    """The list form: (params [L], caches [L], inputs, accepted [B]) -> caches [L]."""
+    def step(params, caches, inputs, accepted):
+        caches = [fused_verify(p, c, inputs, config, backend=backend)[1]
+                  for p, c in zip(params, caches)]
+        return [accept(c, inputs.record_rows, accepted, config) for c in caches]
+    return step
+
+
+def operands(config: KdaConfig, layers: int, B: int, seed: int):
+    """Stacked params and cache of B + SPARE slots and record rows, one step's inputs
+    (requests at slots 1..B, record rows 0..B-1) and accepted counts [B] in 1..T."""
+    kp, kc, ki = jax.random.split(jax.random.key(seed), 3)
+    slots = jnp.arange(1, B + 1, dtype=jnp.int32)
+    return jax.block_until_ready((
+        random_params(kp, config, layers=layers),
+        random_cache(kc, config, B + SPARE, B + SPARE, layers=layers),
+        random_inputs(ki, config, slots, slots - 1),
+        random_accepted(np.random.default_rng(seed), slots, config.tokens)))
+
+
+@functools.partial(jax.jit, static_argnums=1)
+def with_slots(cache, slots: int):
+    """A stacked `cache` grown to `slots` slots (zeros past its own): the same live rows
+    in a bigger cache."""
+    grow = lambda a: jnp.pad(a, [(0, 0), (0, slots - a.shape[1])] + [(0, 0)] * (a.ndim - 2))
+    return dataclasses.replace(cache, state=grow(cache.state), conv=grow(cache.conv))
+
+
+def unstack(tree, layers: int) -> list:
+    """A stacked pytree as a list of `layers` per-layer ones (copies)."""
+    return [jax.tree.map(lambda a: a[i], tree) for i in range(layers)]
+
+
+def next_batch(config: KdaConfig, B: int, backend: str):
+    """The smallest B' > B that launches the same kernel as B (same split and launch
+    shape, so no new CuTe DSL compile) and fits the cache, B + 1 for the XLA backend;
+    None if there is none."""
+    if backend != "cutedsl":
+        return B + 1
+    from jax_kda.ffi import kernel_split, solo_ctas
+
+    def launch(batch):
+        split = kernel_split(config, batch)
+        return split, solo_ctas(config, batch, split)
+    return next((b for b in range(B + 1, B + SPARE) if launch(b) == launch(B)), None)
+
+
+def at_batch(tree, B: int):
+    """Shapes of `tree` (inputs or accepted) with its leading batch axis set to B."""
+    return jax.tree.map(lambda a: jax.ShapeDtypeStruct((B,) + a.shape[1:], a.dtype), tree)
+
+
+def gpu_steps(run, steps: int) -> dict:
+    """`traced_steps` of the `steps` steps `run()` enqueues; where some activity is not
+    in every step (its count not a multiple of `steps`), of the activities that are."""
+    try:
+        return traced_steps(run, steps)
+    except ValueError:
+        def per_step(kernels):
+            counts = collections.Counter(k.name for k in kernels)
+            kept = [k for k in kernels if counts[k.name] % steps == 0]
+            size = len(kept) // steps
+            return [kept[i * size:(i + 1) * size] for i in range(steps)]
+        return traced_steps(run, split=per_step)
+
+
+def measure_form(step, params, cache, inputs, accepted, new_batch=None):
+    """Compiles and times `step` (see the module's docstring) with the cache donated:
+    (row, the cache after the timed steps)."""
+    jitted = jax.jit(step, donate_argnums=1)
+    start = time.perf_counter()
+    lowered = jitted.lower(params, cache, inputs, accepted)
+    lowered_at = time.perf_counter()
+    compiled = lowered.compile()
+    row = {"lower_s": lowered_at - start, "compile_s": time.perf_counter() - lowered_at}
+    if new_batch is not None:
+        start = time.perf_counter()
+        jitted.lower(params, cache, at_batch(inputs, new_batch),
+                     at_batch(accepted, new_batch)).compile()
+        row.update(new_batch=new_batch, new_batch_s=time.perf_counter() - start)
+    live = [cache]
+
+    def steps(n, block_each):
+        for _ in range(n):
+            live[0] = compiled(params, live[0], inputs, accepted)
+            if block_each:
+                jax.block_until_ready(live[0])
+        jax.block_until_ready(live[0])
+
+    rough = measure.wall_times(lambda: steps(3, True), 1) / 3
+    n = int(min(2000, max(5, STEP_SECONDS / max(rough, 1e-7))))
+    row.update(steps=n, loop_us=1e6 * measure.wall_times(lambda: steps(n, False), 3) / n,
+               blocked_us=1e6 * measure.wall_times(lambda: steps(n, True), 3) / n)
+    if jax.default_backend() == "gpu":  # elsewhere the trace holds no device activity
+        row["gpu"] = gpu_steps(lambda: steps(TRACED_STEPS, False), TRACED_STEPS)
+    B, T = inputs.x.shape[:2]
+    row["tokens_per_s"] = B * T / (row["blocked_us"] * 1e-6)
+    return row, live[0]
+
+
+def layer_chain(config: KdaConfig, layers: int, params, cache, inputs) -> dict:
+    """The step's layers through the eager kernel on the step's own buffers (stacked
+    params and cache, or lists of per-layer ones), one step per graph replay, the
+    pending counts restored between replays: us per layer in one CUDA graph of
+    launches (chain_us) and each launch a child graph of its own (chain_serial_us).
+    {} where torch or the eager kernel cannot run here."""
+    torch = peers.torch_or_none()
+    if peers.kernel_eager_unavailable(torch) is not None:
+        return {}
+    if isinstance(cache, list):
+        chain = peers.KernelEager.per_layer(torch, params, cache, [inputs] * layers, config)
+    else:
+        chain = peers.KernelEager.stacked(torch, params, cache, inputs, config, layers)
+    try:
+        return {"chain_us": 1e6 * measure.torch_graph_time(torch, chain, layers, layers, 10,
+                                                           reset=chain.rearm),
+                "chain_serial_us": 1e6 * measure.torch_child_graph_time(
+                    torch, chain, layers, layers, 10, reset=chain.rearm)}
+    finally:
+        chain.rearm()
+        del chain
+        torch.cuda.empty_cache()
+
+
+def choose(rows: list) -> dict:
+    """The scan row whose unroll is used: the lowest blocked wall time per step, and
+    within 2% of it the cheapest new-batch compile."""
+    best = min(r["blocked_us"] for r in rows)
+    near = [r for r in rows if r["blocked_us"] <= 1.02 * best]
+    return min(near, key=lambda r: r.get("new_batch_s") or 0.0)
+
+
+def save(rows: list, path: str):
+    """rows as JSON at `path`, replaced whole (a reader never sees half a file)."""
+    part = pathlib.Path(path + ".part")
+    part.write_text(json.dumps(rows))
+    part.replace(path)
+
+
+def run(args) -> list:
+    """Every row of the section (see the module's docstring), written to args.json
+    after each batch size."""
+    config = KdaConfig(heads=args.heads, tokens=args.tokens)
+    L = args.layers
+    budget = measure.Budget(args.budget_s, reserve_s=5.0)
+    rows, unroll, cost = [], args.unroll, 0.0
+    for B in args.batches:
+        common = dict(B=B, T=args.tokens, heads=args.heads, layers=L, backend=args.backend,
+                      S=B + SPARE)
+        if not budget.allows(cost):
+            rows.append(dict(common, skipped=f"budget ({budget.left():.0f} s left)"))
+            continue
+        start = time.perf_counter()
+        params, cache, inputs, accepted = operands(config, L, B, seed=B)
+        new = next_batch(config, B, args.backend)
+        tried = []
+        for u in UNROLLS if unroll is None else (unroll,):
+            row, cache = measure_form(scan_step(config, L, args.backend, u), params, cache,
+                                      inputs, accepted, new)
+            tried.append(dict(common, form="scan", unroll=u, **row))
+        used = choose(tried)
+        unroll = used["unroll"]
+        for row in tried:
+            row["used"] = row is used
+        rows += tried
+        if B == args.batches[0]:  # the same step on a cache of SLOTS_CHECK slots
+            row, _ = measure_form(scan_step(config, L, args.backend, unroll), params,
+                                  with_slots(cache, SLOTS_CHECK), inputs, accepted)
+            rows.append(dict(common, form="scan", unroll=unroll, used=True, S=SLOTS_CHECK,
+                             check="slots", **row))
+        used.update(layer_chain(config, L, params, cache, inputs))
+        params, cache = unstack(params, L), unstack(cache, L)
+        row, cache = measure_form(list_step(config, args.backend), params, cache, inputs,
+                                  accepted, new)
+        row.update(layer_chain(config, L, params, cache, inputs))
+        rows.append(dict(common, form="list", **row))
+        save(rows, args.json)
+        del params, cache
+        cost = time.perf_counter() - start
+        print(f"B={B} ({cost:.0f} s): " + "; ".join(
+            f"{r['form']} unroll={r.get('unroll')} S={r['S']}: loop {r['loop_us']:.1f} us, "
+            f"blocked {r['blocked_us']:.1f} us, gpu step {r.get('gpu', {}).get('step_us')} us"
+            for r in rows if r["B"] == B and "loop_us" in r), flush=True)
+    save(rows, args.json)
+    return rows
+
+
+def parse(argv):
+    ints = lambda text: [int(v) for v in text.split(",") if v]
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--json", required=True, help="where the rows go (a JSON list)")
+    parser.add_argument("--layers", type=int, default=measure.KIMI_LAYERS)
+    parser.add_argument("--heads", type=int, default=measure.KIMI_HEADS)
+    parser.add_argument("--tokens", type=int, default=4)
+    parser.add_argument("--batches", type=ints, default=[1, 16, 64],
+                        help="batch sizes B (default 1,16,64)")
+    parser.add_argument("--backend", default=None,
+                        help="fused_verify's backend (default cutedsl where it runs, else jax)")
+    parser.add_argument("--unroll", choices=("1", "True"), default=None,
+                        help="the scan's unroll (default: try both at the first batch)")
+    parser.add_argument("--budget-s", type=float, default=600.0,
+                        help="no new batch size is started past it")
+    args = parser.parse_args(argv)
+    args.backend = args.backend or ("cutedsl" if cutedsl_supported() else "jax")
+    args.unroll = {None: None, "1": 1, "True": True}[args.unroll]
+    return args
+
+
+if __name__ == "__main__":
+    run(parse(sys.argv[1:]))

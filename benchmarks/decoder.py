@@ -32,7 +32,7 @@ fits it. Per batch size B and form, a row of:
 
 The scan's unroll (1: a while loop over the layers; True: the layers in a straight
 line) is tried both ways at the first batch, unless --unroll names it; the one with the
-lower blocked wall time is used from then on (within 2% of each other, the one with the
+lower GPU time per step is used from then on (within 2% of each other, the one with the
 cheaper new-batch compile): its rows have used = True. At the first batch the used
 scan also runs on a cache of SLOTS_CHECK slots (the same live rows): its step time must
 not depend on S.
@@ -214,10 +214,12 @@ def layer_chain(config: KdaConfig, layers: int, params, cache, inputs) -> dict:
 
 
 def choose(rows: list) -> dict:
-    """The scan row whose unroll is used: the lowest blocked wall time per step, and
-    within 2% of it the cheapest new-batch compile."""
-    best = min(r["blocked_us"] for r in rows)
-    near = [r for r in rows if r["blocked_us"] <= 1.02 * best]
+    """The scan row whose unroll is used: the lowest GPU time per step (wall times swing
+    with the host's load), and within 2% of it the cheapest new-batch compile; the
+    lowest blocked wall time where no trace was read."""
+    cost = lambda r: r.get("gpu", {}).get("step_us") or r["blocked_us"]
+    best = min(cost(r) for r in rows)
+    near = [r for r in rows if cost(r) <= 1.02 * best]
     return min(near, key=lambda r: r.get("new_batch_s") or 0.0)
 
 

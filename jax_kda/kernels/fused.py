@@ -31,8 +31,8 @@ from jax_kda.kernels.primitives import (RN, aligned, bulk_copy, cp_async_16, dec
                                         divided_by_roots, exp, load_i32s, load_if,
                                         load_vec, load_words, mma_bf16, prefetch_line_l2,
                                         push_f32, round_bf16, sigmoids, silus_bf16,
-                                        store_f32x4_if, transpose_sum, tree_sum,
-                                        warp_totals, wide)
+                                        store_f32x4_if, store_vec, transpose_sum,
+                                        tree_sum, warp_totals, wide)
 
 THREADS = 256
 CROWDED_CTAS_PER_SM = 8  # above it (at T <= 4) the state is requested with the operands
@@ -74,7 +74,7 @@ class Weights(NamedTuple):
 
 
 Shared = collections.namedtuple("Shared", (
-    "staged", "window_in", "x_in", "records_in", "xvec", "dots", "gate_in", "kp",
+    "staged", "x_in", "records_in", "window", "xvec", "dots", "gate_in", "kp",
     "old_decays", "decay_n", "old_u", "decays", "raw_gates", "values_v", "norm_sums",
     "old_sums", "pairs", "pair_sums", "betas", "out_sums", "received", "exchange",
     "state_arrived", "gates_arrived"))
@@ -150,10 +150,11 @@ class FusedVerify:
         return (self.rows, K)
 
     def early_buffers(self):
-        """Staged operands read before the state pass: the window [3, K, W], the inputs
-        x [T, 3, K] and the records [RQ, 2, K]."""
+        """Staged operands read before the state pass: the inputs x [T, 3, K], the records
+        [RQ, 2, K] and the window [3, K, W], last: it is copied out while section 0 writes
+        the first late buffer, which x and the records outsize."""
         T, RQ, W = self.tokens, self.record_tokens, self.config.window
-        return [(BFloat16, (3, K, W)), (BFloat16, (T, 3, K)), (BFloat16, (RQ, 2, K))]
+        return [(BFloat16, (T, 3, K)), (BFloat16, (RQ, 2, K)), (BFloat16, (3, K, W))]
 
     def late_buffers(self):
         """Written from the state pass on: Gamma k and Gamma q [2T, K] and the rows' dots
@@ -284,9 +285,8 @@ class FusedVerify:
         self.stamp(timeline, Phase.GATES_PROJECTED, tid)
         self.await_operands(smem, item, crowded, head, rank, tid)
         self.stamp(timeline, Phase.OPERANDS_ARRIVED, tid)
-        activations, history, inputs = self.convolve(smem.window_in, smem.x_in, weights.taps,
-                                                     weights.bias, smem.values_v,
-                                                     smem.norm_sums, n, tid)
+        activations = self.convolve(smem.window, smem.x_in, weights.taps, weights.bias,
+                                    smem.values_v, smem.norm_sums, n, tid)
         self.load_records(smem.records_in, smem.kp, smem.old_decays, smem.old_sums, a_exp,
                           weights.scalars[1], n, tid)
         cute.arch.griddepcontrol_launch_dependents()
@@ -295,8 +295,8 @@ class FusedVerify:
         if cutlass.const_expr(self.split > 1):
             cute.arch.cluster_wait()  # every CTA of the item has read the old records
         self.stamp(timeline, Phase.CLUSTER_SYNCED, tid)
-        self.write_records(ptr, activations, smem.raw_gates, history, inputs, item, head,
-                           rank, tid)
+        self.write_records(ptr, activations, smem.raw_gates, smem.window, item, head, rank,
+                           tid)
         self.vectors(smem, activations, n, tid)
         self.stamp(timeline, Phase.VECTORS_READY, tid)
         self.state_pass(ptr.state, smem, item.slot, n, head, rank * self.rows, timeline, tid)
@@ -409,7 +409,7 @@ class FusedVerify:
         ptr = item.ptr
         if cutlass.const_expr(self.split > 1):
             self.arm(smem.exchange, self.split * T * 4, tid)
-        self.stage(smem.window_in, ptr.conv, self.offset("conv", item.slot, 0, head),
+        self.stage(smem.window, ptr.conv, self.offset("conv", item.slot, 0, head),
                    H * K * W, 3, K * W, tid)
         if item.has_records:
             self.stage(smem.old_u, ptr.corrections,
@@ -627,32 +627,27 @@ class FusedVerify:
                             aligned(src, base + r * stride + j * per, 16))
 
     @cute.jit
-    def convolve(self, window_in, x_in, taps, bias, values_v, norm_sums, n, tid):
+    def convolve(self, window, x_in, taps, bias, values_v, norm_sums, n, tid):
         """The short convolution and SiLU of this thread's channel: q and k (section 0,
         rows 0 and 1; sums of squares per warp into norm_sums) or v (section 1, row 0;
         into values_v), from the staged window (whole: staged before n was known) and
-        inputs. The history is window[n .. n+2]. Returns the activations, the history
-        and the raw inputs (together the new window)."""
+        inputs. The history is window[n .. n+2]; the channel's new window [history,
+        x_0 .. x_{T-1}] replaces it in place. Returns the activations."""
         T: cutlass.Constexpr = self.tokens
         channel, section = tid % K, tid // K
         lane, warp = tid % 32, tid // 32
         activations = cute.make_rmem_tensor((2, T), Float32)
-        history = cute.make_rmem_tensor((2, 3), Float32)
-        inputs = cute.make_rmem_tensor((2, T), Float32)
         activations.fill(0.0)
-        history.fill(0.0)
-        inputs.fill(0.0)
         for s in cutlass.range_constexpr(2):
             part = 2 * section + s
             if (section == 0) | (s == 0):
                 seq = cute.make_rmem_tensor(T + 3, Float32)
                 for i in cutlass.range_constexpr(3):
-                    seq[i] = Float32(window_in[part, channel, n + i])
+                    seq[i] = Float32(window[part, channel, n + i])
                 for t in cutlass.range_constexpr(T):
-                    inputs[s, t] = Float32(x_in[t, part, channel])
-                    seq[3 + t] = inputs[s, t]
-                for i in cutlass.range_constexpr(3):
-                    history[s, i] = seq[i]
+                    seq[3 + t] = Float32(x_in[t, part, channel])
+                for i in cutlass.range_constexpr(T + 3):
+                    window[part, channel, i] = BFloat16(seq[i])
                 for t in cutlass.range_constexpr(T):
                     y = bias[s]
                     for i in cutlass.range_constexpr(4):  # rounded products, as the stock loop
@@ -677,7 +672,7 @@ class FusedVerify:
         else:
             for t in cutlass.range_constexpr(T):
                 values_v[t, channel] = activations[0, t]
-        return activations, history, inputs
+        return activations
 
     @cute.jit
     def load_records(self, records_in, kp, old_decays, old_sums, a_exp, dt_channel, n,
@@ -986,28 +981,30 @@ class FusedVerify:
                 out[where] = BFloat16(outs[t] * rstd[t] * nw * gated[t])
 
     @cute.jit
-    def write_records(self, ptr, activations, raw_gates, history, inputs, item, head, rank,
-                      tid):
+    def write_records(self, ptr, activations, raw_gates, window, item, head, rank, tid):
         """Once every CTA of the item has read the old ones, each CTA writes its channel
         share of the new records' keys (section 0) and raw gates (section 1) and of the
-        window [history, x_0 .. x_{T-1}]; then rank 0 leaves the record row awaiting its
-        accept (every CTA of the item has read the pending count by then)."""
+        new window (in shared memory: `convolve`), 16 bytes a thread, coalesced (a
+        channel's row is T + 3 positions: per-channel stores would split sectors); then
+        rank 0 leaves the record row awaiting its accept (every CTA of the item has read
+        the pending count by then)."""
         T: cutlass.Constexpr = self.tokens
+        W: cutlass.Constexpr = self.config.window
+        share: cutlass.Constexpr = K // self.split
+        per_part: cutlass.Constexpr = share * W // 8  # 16-byte vectors of a part's share
         channel, section = tid % K, tid // K
-        if channel // (K // self.split) == rank:
-            if item.has_records:
-                for t in cutlass.range_constexpr(T):
-                    at = self.offset("key_gates", item.rec, head, t, 0, channel)
-                    if section == 0:
-                        ptr.key_gates[at] = BFloat16(activations[1, t])
-                    else:
-                        ptr.key_gates[at + K] = raw_gates[t, channel]
-            for s in cutlass.range_constexpr(2):
-                if (section == 0) | (s == 0):
-                    at = self.offset("conv", item.slot, 2 * section + s, head, channel)
-                    for i in cutlass.range_constexpr(3):
-                        ptr.conv[at + i] = BFloat16(history[s, i])
-                    for t in cutlass.range_constexpr(T):
-                        ptr.conv[at + 3 + t] = BFloat16(inputs[s, t])
+        if item.has_records & (channel // share == rank):
+            for t in cutlass.range_constexpr(T):
+                at = self.offset("key_gates", item.rec, head, t, 0, channel)
+                if section == 0:
+                    ptr.key_gates[at] = BFloat16(activations[1, t])
+                else:
+                    ptr.key_gates[at + K] = raw_gates[t, channel]
+        for r in cutlass.range_constexpr(-(-3 * per_part // THREADS)):
+            i = tid + r * THREADS
+            if i < 3 * per_part:
+                part, within = i // per_part, (i % per_part) * 8 + rank * share * W
+                store_vec(ptr.conv, self.offset("conv", item.slot, part, head) + within,
+                          load_vec(window.iterator, part * K * W + within, 8))
         if (tid == 0) & (rank == 0) & item.has_records:
             ptr.pending[self.offset("pending", item.rec, head)] = Int32(AWAITING)

@@ -33,6 +33,14 @@ def load_vec(ptr, offset, width):
     return view.load()
 
 
+def store_vec(ptr, offset, values):
+    """`values` (a vector `load_vec` returns) to `ptr + offset`, one vector store."""
+    width = values.shape[0] if isinstance(values.shape, tuple) else values.shape
+    view = cute.make_tensor(aligned(ptr, offset, width * ptr.dtype.width // 8),
+                            cute.make_layout(width))
+    view.store(values)
+
+
 def load_words(ptr, offset, count):
     """2 count bf16 at `ptr + offset` (4 count bytes aligned) as `count` Uint32 (2 or 4:
     one vector load), the lower index in each word's low half."""

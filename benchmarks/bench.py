@@ -22,7 +22,8 @@ the results and exits 30 s past it:
 4. the decoder step (`decoder.py`): 20 layers under `jax.lax.scan` over stacked params
    and cache and as a Python list of layers, jitted with the cache donated, compile
    and step times, once with XLA's command buffers on (its default) and once off, each
-   in a subprocess;
+   in a subprocess; 4b. the prefill (`prefill.py`): one layer over prompts of 1k-16k
+   tokens, ours against fla's `chunk_kda`, in a subprocess;
 5. the fixed splits at T = 4; 6. T = 2 and 8 for our kernel and fla; 7. stock_verify at
    B = 1, 64; 8. the fixed splits at T = 2, 8; 9. T = 2, 8 under XLA.
 
@@ -64,6 +65,7 @@ import traceback
 # "on" (XLA's default, the targets' setting) first, so that a short budget keeps it
 CMDBUF_FLAGS = {"on": "", "off": "--xla_gpu_enable_command_buffer="}
 DECODER = pathlib.Path(__file__).resolve().parent / "decoder.py"
+PREFILL = pathlib.Path(__file__).resolve().parent / "prefill.py"
 
 import jax
 import jax.numpy as jnp
@@ -179,7 +181,8 @@ class Bench:
         self.costs = {}
         self.programs = {}
         self.results = {"meta": self.meta(), "correctness": [], "points": [],
-                        "decoder": [], "memory": [], "targets": [], "skipped": []}
+                        "decoder": [], "prefill": [], "memory": [], "targets": [],
+                        "skipped": []}
         self.flagged = set()
 
     # -- bookkeeping ------------------------------------------------------------------
@@ -552,6 +555,32 @@ class Bench:
             self.costs["decoder"] = time.perf_counter() - start
             self.save()
 
+    # -- 4b. the prefill -------------------------------------------------------------------
+
+    def prefills(self):
+        """prefill.py in a subprocess (ours and fla's chunk_kda on the same prompts); the
+        rows it wrote before an error or the timeout are kept."""
+        if not self.affordable("prefill", "prefill section", 90):
+            return
+        start = time.perf_counter()
+        left = self.budget.left() - self.budget.reserve_s
+        with tempfile.TemporaryDirectory() as tmp:
+            target = pathlib.Path(tmp) / "prefill.json"
+            command = [sys.executable, str(PREFILL), "--json", str(target),
+                       "--heads", str(self.args.heads), "--points", self.args.prefill_points,
+                       "--budget-s", str(max(1.0, left - 30))]
+            try:
+                done = subprocess.run(command, capture_output=True, text=True,
+                                      timeout=max(10.0, left))
+                self.log(done.stdout.strip())
+                if done.returncode != 0:
+                    self.log(f"  prefill: exit {done.returncode}: {done.stderr[-600:]}")
+            except subprocess.TimeoutExpired:
+                self.log(f"  prefill: timed out after {left:.0f} s")
+            self.results["prefill"] = json.loads(target.read_text()) if target.exists() else []
+        self.costs["prefill"] = time.perf_counter() - start
+        self.save()
+
     # -- the run --------------------------------------------------------------------------
 
     def run(self):
@@ -581,6 +610,8 @@ class Bench:
         self.sweep(first, args.batches)
         log(f"4. the decoder step: {args.layers} layers, scan and list")
         self.decoder_steps()
+        log("4b. the prefill: ours and fla's chunk_kda")
+        self.prefills()
         log(f"5. T={first}, fixed splits")
         self.splits(first, args.batches)
         for T in rest:
@@ -636,6 +667,9 @@ def parse(argv):
                         help=f"layers of the decoder step (default {measure.KIMI_LAYERS})")
     parser.add_argument("--layer-batches", type=ints, default=None,
                         help="B of the decoder step (default 1,16,64; --quick 1,2)")
+    parser.add_argument("--prefill-points", default=None,
+                        help="BxL prompts of the prefill section (default 1x1024,1x4096,"
+                             "1x16384,8x2048; --quick 1x128,2x160)")
     args = parser.parse_args(argv)
     quick = args.quick
     args.budget_s = args.budget_s or (480.0 if quick else 520.0)
@@ -645,6 +679,8 @@ def parse(argv):
     args.stock_batches = args.stock_batches or ([1] if quick else [1, 64])
     args.layers = args.layers or (3 if quick else measure.KIMI_LAYERS)
     args.layer_batches = args.layer_batches or ([1, 2] if quick else [1, 16, 64])
+    args.prefill_points = args.prefill_points or (
+        "1x128,2x160" if quick else "1x1024,1x4096,1x16384,8x2048")
     return args
 
 

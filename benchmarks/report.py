@@ -174,6 +174,14 @@ def targets(results) -> list:
         target("latency B=1 T=4", "<= 5.5 us", f"{ours['us']:.3f} us", ours["us"] <= 5.5,
                f"{ours['us'] - 5.5:+.3f} us")
 
+    for (B, L), impls in prefill_pairs(results.get("prefill", [])).items():
+        ours, fla = impls.get("ours", {}), impls.get("fla", {})
+        if L >= 4096 and "us" in ours and "us" in fla:
+            ratio = ours["us"] / fla["us"]
+            target(f"prefill B={B} L={L} vs fla chunk_kda", "<= 2x its time",
+                   f"{ratio:.2f}x ({1e-3 * ours['us']:.2f} vs {1e-3 * fla['us']:.2f} ms)",
+                   ratio <= 2, f"{ratio - 2:+.2f}x")
+
     decoder = [r for r in results.get("decoder", []) if "loop_us" in r]
     B = min((r["B"] for r in decoder), default=None)
     scan, listed = decoder_row(results, "scan", B), decoder_row(results, "list", B)
@@ -299,6 +307,7 @@ def render(results, command=None) -> str:
             out += [table(["B", "split auto"] + [f"split {s}" for s in fixed], rows), ""]
 
     out += decoder_section(results.get("decoder", []))
+    out += prefill_section(results.get("prefill", []))
 
     memory = results.get("memory", [])
     if memory:
@@ -330,6 +339,38 @@ def form_label(row):
     if row["form"] != "scan":
         return row["form"]
     return f"scan, unroll={row['unroll']}" + ("" if row.get("used") else " (not used)")
+
+
+def prefill_pairs(rows):
+    """{(B, L): {impl: row}} of the prefill section's rows."""
+    pairs = {}
+    for r in rows:
+        pairs.setdefault((r["B"], r["L"]), {})[r["impl"]] = r
+    return pairs
+
+
+def prefill_section(rows) -> list:
+    """The prefill's section of RESULTS.md (lines), [] without rows."""
+    if not rows:
+        return []
+    cell = lambda r: (f"{1e-3 * r['us']:.2f} ms ({r['tokens_per_s'] / 1e3:.0f}k tok/s)"
+                      if r and "us" in r else (r or {}).get("error") or
+                      (r or {}).get("skipped") or "-")
+    lines = []
+    for (B, L), impls in prefill_pairs(rows).items():
+        ours, fla = impls.get("ours"), impls.get("fla")
+        ratio = (f"{ours['us'] / fla['us']:.2f}x" if ours and fla and "us" in ours
+                 and "us" in fla else "-")
+        compile_s = f"{ours['compile_s']:.1f}" if ours and "compile_s" in ours else "-"
+        lines.append([str(B), str(L), cell(ours), cell(fla), ratio, compile_s])
+    return ["## Prefill: one layer over whole prompts", "",
+            "`benchmarks/prefill.py`: `jax_kda.prefill` (the whole layer: convolutions, gate "
+            "projection, the recurrence in chunks of 64, gated norm; jitted, cache donated; "
+            "wall time, blocked) against fla's `chunk_kda` (the recurrence with its gate, "
+            "beta sigmoid and q/k norms in kernel; CUDA events) on prompts of the same "
+            "size and heads.", "",
+            table(["B", "L", "ours", "fla chunk_kda", "ours / fla", "ours compile s"], lines),
+            ""]
 
 
 def decoder_section(rows) -> list:

@@ -551,7 +551,8 @@ def main(argv=None) -> int:
     total = run.prefill_s + run.decode_s
     print(f"prefill: {prompt_tokens} prompt tokens of {len(prompts)} requests in "
           f"{run.prefill_calls} calls, {run.prefill_s:.2f} s "
-          f"({100 * run.prefill_s / total:.0f}%), each request's first new token")
+          f"({100 * run.prefill_s / total:.0f}%, {prompt_tokens / max(run.prefill_s, 1e-9):.0f} "
+          f"prompt tokens/s), each request's first new token")
     decoded = made - len(prompts)
     print(f"decode: {run.steps} steps, {decoded} new tokens in {run.decode_s:.2f} s "
           f"({100 * run.decode_s / total:.0f}%, {1e3 * run.decode_s / run.steps:.2f} ms per "

@@ -46,13 +46,13 @@ def pair_products(q, k, d):
 
 
 def solve_unit_lower(N, b):
-    """x [B, H, T, K] with (I + N) x = b for N [B, H, T, T] strictly lower triangular."""
+    """x [..., T, K] with (I + N) x = b for N [..., T, T] strictly lower triangular."""
     solve = lambda rhs: jax.scipy.linalg.solve_triangular(
         N, rhs, lower=True, unit_diagonal=True)
     x = solve(b)
     # One refinement step: a blocked triangular solve (LAPACK's on CPU) rounds about
     # twice as far from exact as forward substitution; the residual brings it back.
-    return x + solve(b - x - jnp.einsum("bhts,bhsr->bhtr", N, x, precision=HIGHEST))
+    return x + solve(b - x - jnp.einsum("...ts,...sr->...tr", N, x, precision=HIGHEST))
 
 
 def verify(state, q, k, v, beta, d):

@@ -1,12 +1,12 @@
-"""Prefill: the KDA layer over whole prompts, leaving each request's cache exactly as its
-first verify expects (docs/spec.md, "Prefill": checkpoint, window at positions 0..2,
-pending 0).
+"""Prefill: the KDA layer over whole prompts or pieces of them, leaving each request's
+cache exactly as its first verify expects (docs/spec.md, "Prefill": checkpoint, window
+at positions 0..2, pending 0).
 
-A prompt starts from a zero state and zero conv history. The recurrence runs in chunks
-of CHUNK tokens with no per-token state chain: the chunked verify of a chunk from its
-starting state gives its u and o, and the closed-form replay of the same tokens gives
-the state the next chunk starts from (`jax_kda.chunked`). Tokens past a prompt's length
-are identities (decay 1, beta 0, hence u = 0) and their outputs are zero.
+A prompt starts from a zero state and zero conv history; a later piece of it resumes
+from the request's cache: the checkpoint with its kept records folded in, as a verify
+replays them, and the window's history. The recurrence runs in chunks of dense matrix
+products (`jax_kda.prompt_chunks`). Tokens past a piece's length are identities
+(decay 1, beta 0, hence u = 0) and their outputs are zero.
 """
 from __future__ import annotations
 
@@ -16,15 +16,14 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from jax_kda import chunked
+from jax_kda import chunked, prompt_chunks
 from jax_kda.config import CONV_TAPS, K, KdaConfig
 from jax_kda.layer import gated_rmsnorm
 from jax_kda.pytrees import KdaCache, KdaParams, PrefillInputs
-from jax_kda.rows import layer_of, locate, prepare_tokens, two_rows, write, write_pending
-from jax_kda.validate import (BF16, check_cache, check_layer, check_params, check_rows,
-                              expect, typed)
-
-CHUNK = 16  # fastest of 16/32/64 on CPU; memory of P [B, H, CHUNK, CHUNK, K] ~ CHUNK^2
+from jax_kda.rows import (Replay, layer_of, locate, prepare_tokens, read_history,
+                          read_replay, read_state, two_rows, write, write_pending)
+from jax_kda.validate import (BF16, BOOL, check_cache, check_layer, check_params,
+                              check_rows, expect, typed)
 
 
 def check_prefill(params: KdaParams, cache: KdaCache, inputs: PrefillInputs,
@@ -44,34 +43,43 @@ def check_prefill(params: KdaParams, cache: KdaCache, inputs: PrefillInputs,
     expect("gate", inputs.gate, [("B", B), ("P", P), ("H", H), (None, K)], (BF16,))
     for name in ("lengths", "slots", "record_rows"):
         check_rows(name, getattr(inputs, name), B)
+    if inputs.resume is not None:
+        expect("resume", inputs.resume, [("B", B)], (BOOL,))
     return check_layer(layer, L) if stacked else None
 
 
 def run_prefill(params: KdaParams, cache: KdaCache, inputs: PrefillInputs,
                 config: KdaConfig, layer, recurrence):
-    """The prefill around a recurrence(state, q, k, v, beta, d) -> (final state
-    [B, H, K, K], o [B, H, P, K] bf16 values) from a zero state; shared with
-    `ref.stock_prefill`. Returns (out [B, P, H, K] bf16, cache)."""
+    """The prefill around a recurrence(state, replay, q, k, v, beta, d) -> (final state
+    [B, H, K, K], o [B, H, P, K] bf16 values) that folds `replay` (a `rows.Replay`) into
+    `state`, then runs the prompt; shared with `ref.stock_prefill`. Returns (out
+    [B, P, H, K] bf16, cache)."""
     batch = inputs.x.shape[0]
+    if inputs.resume is None:
+        inputs = dataclasses.replace(inputs, resume=jnp.zeros((batch,), bool))
     inputs = two_rows(inputs)
     B, P = inputs.x.shape[:2]
     rows = locate(cache, inputs.slots, inputs.record_rows, config, layer)
+    resume = inputs.resume & rows.live
+    rows = rows._replace(n=jnp.where(resume[:, None], rows.n, 0))  # a new prompt: none
     params = layer_of(params, rows.layer)
-    history = jnp.zeros((B, 3, CONV_TAPS - 1, config.heads, K), jnp.float32)
+    fresh = lambda a: jnp.where(resume.reshape((B,) + (1,) * (a.ndim - 1)), a, 0.0)
+    history = fresh(read_history(cache, rows))
     tokens = prepare_tokens(params, inputs.x, inputs.f_a, inputs.beta, history, config)
     lengths = jnp.clip(inputs.lengths, 0, P)
     valid = jnp.arange(P)[None, :] < lengths[:, None]  # [B, P]
     # Past the length: identity tokens, zeroed too so that any padding (even NaN) is inert.
     mask = lambda a, fill: jnp.where(valid.reshape(B, 1, P, *(1,) * (a.ndim - 3)), a, fill)
-    zero = jnp.zeros((B, config.heads, K, K), jnp.float32)
-    state, o = recurrence(zero, mask(tokens.q, 0.0), mask(tokens.k, 0.0),
-                          mask(tokens.v, 0.0), mask(tokens.beta, 0.0), mask(tokens.d, 1.0))
+    state, o = recurrence(fresh(read_state(cache, rows)), read_replay(params, cache, rows, config),
+                          mask(tokens.q, 0.0), mask(tokens.k, 0.0), mask(tokens.v, 0.0),
+                          mask(tokens.beta, 0.0), mask(tokens.d, 1.0))
 
     out = gated_rmsnorm(jnp.swapaxes(o, 1, 2), inputs.gate, params.norm_weight, config.eps)
     keep = valid & rows.live[:, None]
     out = jnp.where(keep[:, :, None, None], out, jnp.zeros_like(out))
-    # The last three inputs sit at padded positions length .. length + 2.
-    padded = jnp.pad(inputs.x, ((0, 0), (CONV_TAPS - 1, 0), (0, 0), (0, 0), (0, 0)))
+    # The last three inputs of [history, x]: positions length .. length + 2.
+    history_x = jnp.moveaxis(history, 2, 1).astype(inputs.x.dtype)  # [B, 3, 3, H, K]
+    padded = jnp.concatenate([history_x, inputs.x], axis=1)
     at = (lengths[:, None] + jnp.arange(CONV_TAPS - 1))[:, :, None, None, None]
     window = jnp.transpose(jnp.take_along_axis(padded, at, axis=1), (0, 2, 3, 4, 1))
     return out[:batch], dataclasses.replace(
@@ -82,54 +90,42 @@ def run_prefill(params: KdaParams, cache: KdaCache, inputs: PrefillInputs,
     )
 
 
-def chunked_recurrence(state, q, k, v, beta, d):
-    """The recurrence from `state` as a scan over chunks of CHUNK tokens.
-
-    q, k, v, d: [B, H, P, K]; beta: [B, H, P]. Returns (state [B, H, K, K], o [B, H, P,
-    K] bf16 values).
-    """
-    B, H, P = beta.shape
-    pad = -P % CHUNK
-    widths = lambda a: ((0, 0), (0, 0), (0, pad)) + ((0, 0),) * (a.ndim - 3)
-    # [B, H, P, ...] -> [chunks, B, H, CHUNK, ...]; padded tokens are identities too.
-    split = lambda a, fill: jnp.moveaxis(
-        jnp.pad(a, widths(a), constant_values=fill).reshape(
-            (B, H, (P + pad) // CHUNK, CHUNK) + a.shape[3:]), 2, 0)
-
-    def step(state, chunk):
-        q, k, v, beta, d = chunk
-        u, o = chunked.verify(state, q, k, v, beta, d)
-        return chunked.replay(state, u, k, d), o
-
-    chunks = (split(q, 0.0), split(k, 0.0), split(v, 0.0), split(beta, 0.0), split(d, 1.0))
-    state, o = jax.lax.scan(step, state, chunks)
-    return state, jnp.moveaxis(o, 0, 2).reshape(B, H, P + pad, K)[:, :, :P]
+def prompt_recurrence(state, replay: Replay, q, k, v, beta, d, *, lower_bound):
+    """The kept records folded in closed form, then the prompt in chunks of dense
+    products (`prompt_chunks.recurrence`)."""
+    state = chunked.replay(state, replay.u, replay.kn, replay.d)
+    return prompt_chunks.recurrence(state, q, k, v, beta, d, lower_bound=lower_bound)
 
 
 @functools.partial(jax.jit, static_argnames="config")
 def _prefill(params, cache, inputs, config, layer):
-    return run_prefill(params, cache, inputs, config, layer, chunked_recurrence)
+    recurrence = functools.partial(prompt_recurrence, lower_bound=config.lower_bound)
+    return run_prefill(params, cache, inputs, config, layer, recurrence)
 
 
 def prefill(params: KdaParams, cache: KdaCache, inputs: PrefillInputs, config: KdaConfig,
             *, layer=None):
-    """Runs the KDA layer over a batch of prompts and writes each request's cache.
+    """Runs the KDA layer over a batch of prompts, or pieces of prompts, and writes each
+    request's cache.
 
     Args:
       params: the layer's weights (`KdaParams`; stacked with `layer`).
       cache: the decode state (`KdaCache`; stacked with `layer`); only the rows of live
         requests change.
-      inputs: the prompts (`PrefillInputs`: x [B, P, 3, H, K] bf16, ..., lengths [B]).
+      inputs: the prompts (`PrefillInputs`: x [B, P, 3, H, K] bf16, ..., lengths [B],
+        resume [B] for the rows that continue a prompt from the cache).
       config: the static `KdaConfig` (its tokens only size the cache's records).
       layer: for stacked params and cache, the layer to run (a Python int or an int32
         scalar, e.g. traced in `lax.scan`); None for one layer's.
 
     Returns:
       (out [B, P, H, K] bf16, cache): outputs past a prompt's length and of padding rows
-      are zero. For each live request, state[slot] is the state after its prompt,
-      conv[slot][..., 0:3] its last three raw inputs (zeros before a short prompt) and
-      pending[record_row] is 0; records and the rest of the window are left as they
-      were. Inside `jax.jit` with the cache donated, the buffers are updated in place.
+      are zero. For each live request, state[slot] is the state after its piece,
+      conv[slot][..., 0:3] the last three raw inputs of the prompt so far (zeros before
+      a new prompt shorter than three) and pending[record_row] is 0 (the kept records
+      folded in); records and the rest of the window are left as they were. A prompt
+      prefilled in pieces equals it prefilled at once within FP32 rounding. Inside
+      `jax.jit` with the cache donated, the buffers are updated in place.
     """
     layer = check_prefill(params, cache, inputs, config, layer)
     return _prefill(params, cache, inputs, config, layer)

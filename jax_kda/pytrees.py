@@ -135,7 +135,7 @@ def init_cache(config: KdaConfig, num_slots: int, num_records: int, *,
 @_pytree
 @dataclasses.dataclass(frozen=True)
 class PrefillInputs:
-    """A batch of prompts for `prefill`, each run from a zero state and conv history.
+    """A batch of prompts, or pieces of prompts, for `prefill`.
 
     x: [B, L, 3, H, K] bf16, q, k, v projections before the short convolution.
     f_a: [B, L, K] bf16, the gate's low-rank activations.
@@ -143,7 +143,11 @@ class PrefillInputs:
     gate: [B, L, H, K] bf16, output-gate logits (sigmoid inside the norm).
     lengths: [B] int32, tokens of each prompt (clamped to [0, L]); the rest is padding.
     slots: [B] int32, state slot per request; <= 0 (or >= S) is a padding row.
-    record_rows: [B] int32, record row whose pending count is reset; < 0 (or >= R): none.
+    record_rows: [B] int32, the request's record row (its kept records are folded in
+      where it resumes, and its pending count is reset); < 0 (or >= R): none.
+    resume: [B] bool or None: True continues the request from its cache (its checkpoint
+      with the kept records folded in, the window's history), as a later piece of its
+      prompt; False, or None for every row, starts it from a zero state and history.
     """
 
     x: jax.Array
@@ -153,3 +157,4 @@ class PrefillInputs:
     lengths: jax.Array
     slots: jax.Array
     record_rows: jax.Array
+    resume: jax.Array | None = None

@@ -9,6 +9,7 @@ from jax_kda.config import CONV_TAPS, K, KdaConfig
 from jax_kda.pytrees import AWAITING, KdaCache, KdaParams, VerifyInputs
 
 BF16, F32, I32 = jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32), jnp.dtype(jnp.int32)
+BOOL = jnp.dtype(bool)
 
 
 def _describe(dims, dtypes):

@@ -266,17 +266,20 @@ def flush(params, cache, slots, record_rows, config):
 
 
 def _prefill_one(params, cache, inputs, config, padding=False):
-    """Prefill of one layer (docs/spec.md, "Prefill")."""
-    H = config.heads
+    """Prefill of one layer (docs/spec.md, "Prefill"): a new prompt from a zero state and
+    history, a resumed one from the checkpoint with its kept records folded in and the
+    window's history."""
+    H, _, RQ, _ = _sizes(config)
     w = _weights(params)
-    new = copy_cache(cache)
+    old, new = copy_cache(cache), copy_cache(cache)
     raw_x = np.asarray(inputs.x)
     x, f_a = f64(inputs.x), f64(inputs.f_a)
     beta_logit, gate = f64(inputs.beta), f64(inputs.gate)
     slots, record_rows = np.asarray(inputs.slots), np.asarray(inputs.record_rows)
     lengths = np.asarray(inputs.lengths)
-    S, R = new.state.shape[0], new.pending.shape[0]
     B, P = x.shape[:2]
+    resume = (np.zeros(B, bool) if inputs.resume is None else np.asarray(inputs.resume))
+    S, R = new.state.shape[0], new.pending.shape[0]
     out = np.zeros((B, P, H, K))
     if padding:
         return out, new
@@ -284,16 +287,24 @@ def _prefill_one(params, cache, inputs, config, padding=False):
         slot, rec = int(slots[b]), int(record_rows[b])
         if not 0 < slot < S:
             continue
-        n = int(np.clip(lengths[b], 0, P))
-        zero_history = np.zeros((3, 3, K))
+        count = int(np.clip(lengths[b], 0, P))
+        has_records = 0 <= rec < R
+        window = np.zeros((3, H, K, 3), raw_x.dtype)  # [part, head, channel, position]
         for h in range(H):
-            state, out[b, :n, h], _, _, _ = _tokens(
-                np.zeros((K, K)), zero_history, x[b, :n, :, h], f_a[b, :n],
-                beta_logit[b, :n, h], gate[b, :n, h], w, h, config, n)
+            n = int(np.clip(old.pending[rec, h], 0, RQ)) if has_records and resume[b] else 0
+            state, history = np.zeros((K, K)), np.zeros((3, 3, K))
+            if resume[b]:
+                state = _replay(old, slot, rec, h, n, w, config.lower_bound)
+                window[:, h] = old.conv[slot, :, h, :, n:n + 3]
+                history = np.moveaxis(f64(window[:, h]), -1, 1)  # [3 parts, 3, K]
+            state, out[b, :count, h], _, _, _ = _tokens(
+                state, history, x[b, :count, :, h], f_a[b, :count], beta_logit[b, :count, h],
+                gate[b, :count, h], w, h, config, count)
             new.state[slot, h] = state
-        last = np.concatenate([np.zeros((3,) + raw_x.shape[2:], raw_x.dtype), raw_x[b, :n]])
-        new.conv[slot, ..., :3] = np.moveaxis(last[-3:], 0, -1)  # [3, H, K, 3]
-        if 0 <= rec < R:
+        # [history, x] per position, [positions, 3, H, K]; its last three are the window
+        seq = np.concatenate([np.moveaxis(window, -1, 0), raw_x[b, :count]])
+        new.conv[slot, ..., :3] = np.moveaxis(seq[-3:], 0, -1)
+        if has_records:
             new.pending[rec] = 0
     return out, new
 

@@ -207,8 +207,10 @@ def test_lengths_are_clamped(draw):
      r"^slots: expected \[B=2\] int32, got \[2\] float32$"),
     ("record_rows", jnp.zeros((2, 1), jnp.int32), ValueError,
      r"^record_rows: expected \[B=2\] int32, got \[2, 1\] int32$"),
+    ("resume", jnp.zeros((2,), jnp.int32), ValueError,
+     r"^resume: expected \[B=2\] bool, got \[2\] int32$"),
 ], ids=["not-inputs", "x-dtype", "f_a-length", "beta-heads", "gate-dtype", "lengths-size",
-        "slots-dtype", "record_rows-rank"])
+        "slots-dtype", "record_rows-rank", "resume-dtype"])
 def test_prefill_rejects_bad_arguments(field, value, error, match, draw):
     config = KdaConfig(heads=HEADS, tokens=4)
     params = draw.params(draw.key(3), config)

@@ -144,11 +144,13 @@ def test_flush_takes_the_stacked_cache_whole():
         assert_same_cache(layer_slice(new, layer), one, f"layer {layer}")
 
 
-def test_prefill_of_one_layer():
+@pytest.mark.parametrize("resume", [False, True], ids=["new", "resumed"])
+def test_prefill_of_one_layer(resume):
+    """A new prompt, and a piece resuming from layer 1's checkpoint, records and window."""
     params, cache, inputs = stacked_arguments(6)
     prompts = PrefillInputs(inputs[0].x, inputs[0].f_a, inputs[0].beta, inputs[0].gate,
                             jnp.asarray([3, 2, 1, 0], jnp.int32), inputs[0].slots,
-                            inputs[0].record_rows)
+                            inputs[0].record_rows, jnp.full((4,), resume))
     layer = 1
     out, new = prefill(params, cache, prompts, CONFIG, layer=layer)
     one_out, one = prefill(layer_slice(params, layer), layer_slice(cache, layer), prompts,

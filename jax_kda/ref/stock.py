@@ -30,14 +30,19 @@ def per_token(a):
     return jnp.moveaxis(a, 2, 0)
 
 
-def stock_recurrence(state, replay, tokens):
-    """Replay then verify, one token per scan step: (S_n, u, o)."""
+def stock_replay(state, replay):
+    """S_n: the recorded tokens folded in one per scan step."""
 
     def replay_step(S, token):
         u, kn, d = token  # each [B, H, K]
         return S * d[:, :, None, :] + u[..., :, None] * kn[..., None, :], None
 
-    state_n, _ = jax.lax.scan(replay_step, state, tuple(map(per_token, replay)))
+    return jax.lax.scan(replay_step, state, tuple(map(per_token, replay)))[0]
+
+
+def stock_recurrence(state, replay, tokens):
+    """Replay then verify, one token per scan step: (S_n, u, o)."""
+    state_n = stock_replay(state, replay)
     operands = tuple(map(per_token, (tokens.q, tokens.k, tokens.v, tokens.d, tokens.beta)))
     _, (u, o) = jax.lax.scan(stock_step, state_n, operands)
     return state_n, jnp.moveaxis(u, 0, 2), jnp.moveaxis(o, 0, 2)
@@ -52,9 +57,10 @@ def stock_verify(params: KdaParams, cache: KdaCache, inputs: VerifyInputs,
     return verify_rows(params, cache, inputs, config, layer, stock_recurrence)
 
 
-def stock_prefill_recurrence(state, q, k, v, beta, d):
-    """The prompt from `state`, one token per scan step: (state, o)."""
-    state, (_, o) = jax.lax.scan(stock_step, state, tuple(map(per_token, (q, k, v, d, beta))))
+def stock_prefill_recurrence(state, replay, q, k, v, beta, d):
+    """The kept records folded in, then the prompt, one token per scan step: (state, o)."""
+    state, (_, o) = jax.lax.scan(stock_step, stock_replay(state, replay),
+                                 tuple(map(per_token, (q, k, v, d, beta))))
     return state, jnp.moveaxis(o, 0, 2)
 
 

@@ -1,0 +1,134 @@
+"""The prefill section of the benchmark: one layer (H = 32, K = 128) over prompts of
+B x L tokens, ours against flash-linear-attention's `chunk_kda` in the same process.
+
+- ours: `jax_kda.prefill`, the whole layer (short convolutions, gate projection, the
+  recurrence in chunks, the gated norm), jitted with the cache donated; `compile_s` the
+  first lower + compile at that shape; `us` the median wall time of a call, blocked;
+- fla: `chunk_kda` on the same prompts' q, k, v after the convolution, with the gate,
+  beta's sigmoid and the q / k norms in its kernel (`use_gate_in_kernel`, safe gate at
+  the same lower bound), the final state out; CUDA events, median.
+
+Each row: impl, B, L, us, tokens_per_s, compile_s (ours), or error. Run by bench.py;
+alone:
+
+    python benchmarks/prefill.py --json prefill.json [--points 1x1024,1x4096,...]
+"""
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # torch shares the GPU
+os.environ.setdefault("FLA_DISABLE_BACKEND_DISPATCH", "1")  # fla's Triton kernels only
+
+import argparse
+import functools
+import json
+import pathlib
+import statistics
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+
+import measure  # benchmarks/, on sys.path as the script's folder
+import peers
+from jax_kda import KdaConfig, PrefillInputs, prefill
+from jax_kda.testing import random_cache, random_params
+
+POINTS = ((1, 1024), (1, 4096), (1, 16384), (8, 2048))
+CALLS = 5  # timed calls per point, after one warm-up
+
+
+def prompts(config: KdaConfig, B: int, L: int, seed: int) -> PrefillInputs:
+    """B random prompts of L tokens at slots 1..B, record rows 0..B-1."""
+    k = jax.random.split(jax.random.key(seed), 4)
+    H = config.heads
+    bf16 = lambda i, shape: jax.random.normal(k[i], shape).astype(jnp.bfloat16)
+    slots = jnp.arange(1, B + 1, dtype=jnp.int32)
+    return PrefillInputs(x=bf16(0, (B, L, 3, H, 128)), f_a=bf16(1, (B, L, 128)),
+                         beta=bf16(2, (B, L, H)), gate=bf16(3, (B, L, H, 128)),
+                         lengths=jnp.full((B,), L, jnp.int32), slots=slots,
+                         record_rows=slots - 1)
+
+
+def ours(config: KdaConfig, B: int, L: int) -> dict:
+    params = random_params(jax.random.key(1), config)
+    cache = random_cache(jax.random.key(2), config, B + 1, B)
+    inputs = jax.block_until_ready(prompts(config, B, L, 3))
+    step = jax.jit(functools.partial(prefill, config=config), donate_argnums=1)
+    start = time.perf_counter()
+    compiled = step.lower(params, cache, inputs).compile()
+    compile_s = time.perf_counter() - start
+    out, cache = compiled(params, cache, inputs)
+    jax.block_until_ready(out)
+    times = []
+    for _ in range(CALLS):
+        start = time.perf_counter()
+        out, cache = compiled(params, cache, inputs)
+        jax.block_until_ready((out, cache))
+        times.append(time.perf_counter() - start)
+    return dict(us=1e6 * statistics.median(times), compile_s=compile_s)
+
+
+def fla(config: KdaConfig, B: int, L: int, torch) -> dict:
+    from fla.ops.kda import chunk_kda
+
+    H, device = config.heads, "cuda"
+    g = torch.Generator(device=device).manual_seed(0)
+    rand = lambda *shape: torch.randn(*shape, device=device, generator=g,
+                                      dtype=torch.bfloat16)
+    q, k, v, gate = (rand(B, L, H, 128) for _ in range(4))
+    beta = rand(B, L, H)
+    a_log = torch.log(torch.empty(H, device=device).uniform_(1, 16, generator=g))
+    dt_bias = 0.5 * torch.randn(H * 128, device=device, generator=g)
+    call = lambda: chunk_kda(q, k, v, gate, beta, scale=config.query_scale,
+                             output_final_state=True, use_qk_l2norm_in_kernel=True,
+                             use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True,
+                             safe_gate=True, lower_bound=float(config.lower_bound),
+                             A_log=a_log, dt_bias=dt_bias)
+    call()
+    torch.cuda.synchronize()
+    return dict(us=1e6 * measure.torch_event_times(torch, lambda i: call(), 1, CALLS))
+
+
+def run(args) -> list:
+    config = KdaConfig(heads=args.heads, tokens=4)
+    torch = peers.torch_or_none()
+    fla_why = peers.fla_unavailable(torch)
+    budget = measure.Budget(args.budget_s, reserve_s=5.0)
+    rows = []
+    for B, L in args.points:
+        for impl in ("ours", "fla"):
+            row = dict(impl=impl, B=B, L=L)
+            if not budget.allows(0.0):
+                row["skipped"] = f"budget ({budget.left():.0f} s left)"
+            elif impl == "fla" and fla_why:
+                row["skipped"] = fla_why
+            else:
+                try:
+                    row.update(ours(config, B, L) if impl == "ours" else fla(config, B, L, torch))
+                    row["tokens_per_s"] = B * L / (row["us"] * 1e-6)
+                except Exception as error:  # noqa: BLE001 - out of memory, a missing kernel
+                    row["error"] = f"{type(error).__name__}: {str(error)[:300]}"
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+            pathlib.Path(args.json).write_text(json.dumps(rows))
+    return rows
+
+
+def parse(argv):
+    points = lambda text: [tuple(int(v) for v in p.split("x")) for p in text.split(",") if p]
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--json", required=True, help="where the rows go (a JSON list)")
+    parser.add_argument("--heads", type=int, default=measure.KIMI_HEADS)
+    parser.add_argument("--points", type=points, default=list(POINTS),
+                        help="BxL prompts (default 1x1024,1x4096,1x16384,8x2048)")
+    parser.add_argument("--budget-s", type=float, default=600.0,
+                        help="no new point is started past it")
+    return parser.parse_args(argv)
+
+
+if __name__ == "__main__":
+    run(parse(sys.argv[1:]))

@@ -1,0 +1,128 @@
+"""The recurrence over a long prompt in chunks of C tokens (WY form), as dense matrix
+products: what `jax_kda.prefill` runs.
+
+With P(s, t) = prod_{s<r<=t} d_r, Gamma_t = P(-1, t) and Gamma_C the whole chunk's
+decays, the stock recurrence over a chunk from its starting state S is
+(`jax_kda.chunked`):
+
+    A_ts = sum_c k_s,c k_t,c P(s, t)_c  (s < t),  Bm_ts = the same with q_t (s <= t)
+    (I + diag(beta) A) u = diag(beta) (v - (Gamma * k) S^T)
+    o = (Gamma * q) S^T + Bm u,   S' = S diag(Gamma_C) + u^T (k * P(t, C))
+
+Everything but S is known before the chunks run, so the solve's two right-hand sides
+(v and Gamma * k) are solved for every chunk at once, and the scan over chunks carries
+only S through three products: u from S, o's inter-chunk part, the next S.
+
+P(s, t) is split around a reference token m as P(m, t) P(s, m), so that A and Bm are
+matrix products too: for t in sub-chunk i and s before it, m is the token before the
+sub-chunk (both factors <= 1); inside a sub-chunk, its middle token (a factor or its
+reciprocal, within 2^+-60: `subchunk`). Every factor is a product of decays, as the
+stock loop applies them; a difference of cumulative log decays would lose their low
+bits. Shapes: per-token vectors [B, H, P, K], beta [B, H, P], S [B, H, K, K] (value
+row, key column), as in `jax_kda.chunked`.
+"""
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+
+from jax_kda.chunked import solve_unit_lower
+from jax_kda.layer import HIGHEST, round_bf16
+
+CHUNK = 64  # tokens per chunk: the scan's steps are P / CHUNK
+SUBCHUNK = 16  # the pair products' block, fewer where the decays are steep
+EXPONENT_LIMIT = 60.0 * math.log(2.0)  # largest |log| of one factor of a pair's
+
+
+def subchunk(lower_bound: float) -> int:
+    """The sub-chunk size c (a power of two <= SUBCHUNK): c / 2 tokens of decays at the
+    bound make one factor of a pair at most 2^60 (both factors stay far from FP32's
+    range, and their product is the pair's)."""
+    c = SUBCHUNK
+    while c > 1 and (c / 2) * -lower_bound > EXPONENT_LIMIT:
+        c //= 2
+    return c
+
+
+def mm(spec, *arrays):
+    return jnp.einsum(spec, *arrays, precision=HIGHEST)
+
+
+def suffix_products(d):
+    """prod_{r>t} d_r along the chunk's tokens (1 at the last), as products, never
+    quotients (a prefix product may underflow)."""
+    from_t = jax.lax.cumprod(d, axis=d.ndim - 2, reverse=True)
+    return jnp.concatenate([from_t[..., 1:, :], jnp.ones_like(d[..., :1, :])], axis=-2)
+
+
+def pair_products(q, k, d, c):
+    """A [.., C, C] (A[t, s], s < t) and Bm [.., C, C] (Bm[t, s], s <= t) of each chunk.
+
+    q, k, d: [.., C, K]. A pair's factor prod_{s<r<=t} d_r is split around a reference
+    token m as (prod_{m<r<=t} d_r) (prod_{s<r<=m} d_r), each factor a product of decays
+    or its reciprocal (within 2^+-60, `subchunk`)."""
+    C = k.shape[-2]
+    t, s = jnp.arange(C)[:, None], jnp.arange(C)[None, :]
+    A = jnp.zeros(k.shape[:-1] + (C,), jnp.float32)
+    Bm = jnp.zeros_like(A)
+    for start in range(0, C, c):
+        rows = slice(start, start + c)
+        local = jax.lax.cumprod(d[..., rows, :], axis=d.ndim - 2)  # prod_{start<=r<=t} d_r
+        # the sub-chunk's own pairs, around its middle token
+        mid = local[..., c // 2 - 1 if c > 1 else 0, None, :]
+        right, left = local / mid, k[..., rows, :] * (mid / local)
+        A = A.at[..., rows, rows].set(mm("...tc,...sc->...ts", k[..., rows, :] * right, left))
+        Bm = Bm.at[..., rows, rows].set(mm("...tc,...sc->...ts", q[..., rows, :] * right,
+                                           left))
+        if start:  # the pairs with every earlier token, around the last one before
+            before = k[..., :start, :] * suffix_products(d[..., :start, :])
+            A = A.at[..., rows, :start].set(mm("...tc,...sc->...ts", k[..., rows, :] * local,
+                                               before))
+            Bm = Bm.at[..., rows, :start].set(mm("...tc,...sc->...ts",
+                                                 q[..., rows, :] * local, before))
+    return jnp.where(s < t, A, 0.0), jnp.where(s <= t, Bm, 0.0)
+
+
+def recurrence(state, q, k, v, beta, d, *, lower_bound: float, chunk: int | None = None,
+               unroll: int = 4):
+    """The prompt from `state`: (state after it [B, H, K, K], o [B, H, P, K] bf16 values).
+
+    q, k, v, d: [B, H, P, K]; beta: [B, H, P]. Tokens past a prompt are identities
+    (d = 1, beta = 0). lower_bound: the config's (every log decay lies in
+    [lower_bound, 0]); chunk: tokens per scan step (default CHUNK, at most 8 sub-chunks:
+    the pair products' graph grows with their count); unroll: scan steps per loop trip
+    (a GPU's while loop returns to the host every trip)."""
+    B, H, P = beta.shape
+    K = k.shape[-1]
+    chunk = chunk or min(CHUNK, 8 * subchunk(lower_bound))
+    pad = -P % chunk
+    N = (P + pad) // chunk
+    widths = lambda a: ((0, 0), (0, 0), (0, pad)) + ((0, 0),) * (a.ndim - 3)
+    # [B, H, P, ...] -> [B, H, N, chunk, ...]; padded tokens are identities
+    split = lambda a, fill: jnp.pad(a, widths(a), constant_values=fill).reshape(
+        (B, H, N, chunk) + a.shape[3:])
+    q, k, v, beta, d = (split(q, 0.0), split(k, 0.0), split(v, 0.0), split(beta, 0.0),
+                        split(d, 1.0))
+    A, Bm = pair_products(q, k, d, subchunk(lower_bound))
+    gamma = jax.lax.cumprod(d, axis=3)  # prod_{r<=t} d_r
+    # u = u_v - w_k S^T, both solved for every chunk at once
+    rhs = beta[..., None] * jnp.concatenate([v, gamma * k], axis=-1)
+    solved = solve_unit_lower(beta[..., None] * A, rhs)
+    u_v, w_k = solved[..., :K], solved[..., K:]
+    tail = k * suffix_products(d)  # k_t prod_{r>t} d_r
+    per_chunk = lambda a: jnp.moveaxis(a, 2, 0)  # the scan's leading axis
+
+    def step(S, chunk_operands):
+        u_v, w_k, gq, tail, decay_c = chunk_operands
+        u = u_v - mm("...tc,...rc->...tr", w_k, S)
+        inter = mm("...tc,...rc->...tr", gq, S)
+        S = S * decay_c[..., None, :] + mm("...tr,...tc->...rc", u, tail)
+        return S, (u, inter)
+
+    operands = tuple(map(per_chunk, (u_v, w_k, gamma * q, tail, gamma[..., -1, :])))
+    state, (u, inter) = jax.lax.scan(step, state, operands, unroll=max(1, min(unroll, N)))
+    u, inter = jnp.moveaxis(u, 0, 2), jnp.moveaxis(inter, 0, 2)
+    o = inter + mm("...ts,...sr->...tr", Bm, u)
+    return state, round_bf16(o).reshape(B, H, N * chunk, K)[:, :, :P]

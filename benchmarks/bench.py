@@ -23,7 +23,9 @@ the results and exits 30 s past it:
    and cache and as a Python list of layers, jitted with the cache donated, compile
    and step times, once with XLA's command buffers on (its default) and once off, each
    in a subprocess; 4b. the prefill (`prefill.py`): one layer over prompts of 1k-16k
-   tokens, ours against fla's `chunk_kda`, in a subprocess;
+   tokens, ours against fla's `chunk_kda`, in a subprocess; 4c. the lazy checkpoint
+   (`lazy.py`): our kernel at checkpoint_every 1, 2, 4, 8, time and bytes per step, in
+   a subprocess;
 5. the fixed splits at T = 4; 6. T = 2 and 8 for our kernel and fla; 7. stock_verify at
    B = 1, 64; 8. the fixed splits at T = 2, 8; 9. T = 2, 8 under XLA.
 
@@ -66,6 +68,7 @@ import traceback
 CMDBUF_FLAGS = {"on": "", "off": "--xla_gpu_enable_command_buffer="}
 DECODER = pathlib.Path(__file__).resolve().parent / "decoder.py"
 PREFILL = pathlib.Path(__file__).resolve().parent / "prefill.py"
+LAZY = pathlib.Path(__file__).resolve().parent / "lazy.py"
 
 import jax
 import jax.numpy as jnp
@@ -181,7 +184,8 @@ class Bench:
         self.costs = {}
         self.programs = {}
         self.results = {"meta": self.meta(), "correctness": [], "points": [],
-                        "decoder": [], "prefill": [], "memory": [], "targets": [],
+                        "decoder": [], "prefill": [], "lazy": [], "memory": [],
+                        "targets": [],
                         "skipped": []}
         self.flagged = set()
 
@@ -555,31 +559,45 @@ class Bench:
             self.costs["decoder"] = time.perf_counter() - start
             self.save()
 
-    # -- 4b. the prefill -------------------------------------------------------------------
+    # -- 4b, 4c. the prefill and the lazy checkpoint -----------------------------------
 
-    def prefills(self):
-        """prefill.py in a subprocess (ours and fla's chunk_kda on the same prompts); the
-        rows it wrote before an error or the timeout are kept."""
-        if not self.affordable("prefill", "prefill section", 90):
+    def section(self, kind, script, arguments, default_s, env=None):
+        """`script --json FILE *arguments` in a subprocess; the rows it wrote (before an
+        error or the timeout too) go to results[kind]."""
+        if not self.affordable(kind, f"{kind} section", default_s):
             return
         start = time.perf_counter()
         left = self.budget.left() - self.budget.reserve_s
         with tempfile.TemporaryDirectory() as tmp:
-            target = pathlib.Path(tmp) / "prefill.json"
-            command = [sys.executable, str(PREFILL), "--json", str(target),
-                       "--heads", str(self.args.heads), "--points", self.args.prefill_points,
-                       "--budget-s", str(max(1.0, left - 30))]
+            target = pathlib.Path(tmp) / f"{kind}.json"
+            command = [sys.executable, str(script), "--json", str(target), *arguments]
             try:
                 done = subprocess.run(command, capture_output=True, text=True,
-                                      timeout=max(10.0, left))
+                                      timeout=max(10.0, left), env={**os.environ, **(env or {})})
                 self.log(done.stdout.strip())
                 if done.returncode != 0:
-                    self.log(f"  prefill: exit {done.returncode}: {done.stderr[-600:]}")
+                    self.log(f"  {kind}: exit {done.returncode}: {done.stderr[-600:]}")
             except subprocess.TimeoutExpired:
-                self.log(f"  prefill: timed out after {left:.0f} s")
-            self.results["prefill"] = json.loads(target.read_text()) if target.exists() else []
-        self.costs["prefill"] = time.perf_counter() - start
+                self.log(f"  {kind}: timed out after {left:.0f} s")
+            self.results[kind] = json.loads(target.read_text()) if target.exists() else []
+        self.costs[kind] = time.perf_counter() - start
         self.save()
+
+    def prefills(self):
+        """prefill.py: ours and fla's chunk_kda on the same prompts."""
+        left = self.budget.left() - self.budget.reserve_s
+        self.section("prefill", PREFILL, ["--heads", str(self.args.heads), "--points",
+                                          self.args.prefill_points,
+                                          "--budget-s", str(max(1.0, left - 30))], 90)
+
+    def lazies(self):
+        """lazy.py: the kernel at checkpoint_every 1, 2, 4, 8 (its data built on the CPU,
+        its check against the XLA backend there)."""
+        if self.eager_why:
+            self.results["skipped"].append(f"lazy section: unavailable ({self.eager_why})")
+            return
+        self.section("lazy", LAZY, ["--points", self.args.lazy_points], 200,
+                     env={"JAX_PLATFORMS": "cpu"})
 
     # -- the run --------------------------------------------------------------------------
 
@@ -612,6 +630,8 @@ class Bench:
         self.decoder_steps()
         log("4b. the prefill: ours and fla's chunk_kda")
         self.prefills()
+        log("4c. the lazy checkpoint: checkpoint_every 1, 2, 4, 8")
+        self.lazies()
         log(f"5. T={first}, fixed splits")
         self.splits(first, args.batches)
         for T in rest:
@@ -667,6 +687,10 @@ def parse(argv):
                         help=f"layers of the decoder step (default {measure.KIMI_LAYERS})")
     parser.add_argument("--layer-batches", type=ints, default=None,
                         help="B of the decoder step (default 1,16,64; --quick 1,2)")
+    parser.add_argument("--lazy-points", default=None,
+                        help="BxTxC points of the lazy checkpoint section (default: T = 4 at "
+                             "B = 1, 64, 256 and C = 1, 2, 4, 8; T = 2, 8 at B = 64 and C = 1, "
+                             "4; --quick 2x4x1,2x4x2)")
     parser.add_argument("--prefill-points", default=None,
                         help="BxL prompts of the prefill section (default 1x1024,1x4096,"
                              "1x16384,8x2048; --quick 1x128,2x160)")
@@ -679,6 +703,8 @@ def parse(argv):
     args.stock_batches = args.stock_batches or ([1] if quick else [1, 64])
     args.layers = args.layers or (3 if quick else measure.KIMI_LAYERS)
     args.layer_batches = args.layer_batches or ([1, 2] if quick else [1, 16, 64])
+    args.lazy_points = args.lazy_points or ("2x4x1,2x4x2" if quick else ",".join(
+        f"{B}x{T}x{C}" for B, T, C in measure.LAZY_POINTS))
     args.prefill_points = args.prefill_points or (
         "1x128,2x160" if quick else "1x1024,1x4096,1x16384,8x2048")
     return args

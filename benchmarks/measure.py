@@ -17,6 +17,9 @@ positions.
 """
 from __future__ import annotations
 
+import argparse
+import json
+import pathlib
 import statistics
 import time
 import weakref
@@ -96,18 +99,38 @@ def fla_recurrence_bytes(H: int, T: int, B: int) -> dict:
     return parts
 
 
-def memory_per_request(H: int, T: int) -> dict:
-    """Cache bytes per request: our layout (one checkpoint, the conv window of W = T + 3
-    positions, one record row of RQ = T tokens, pending per head) against the stock
-    speculative layout (one FP32 state per verify token, a conv window of 3 + T - 1
-    positions)."""
+def memory_per_request(H: int, T: int, RQ: int | None = None) -> dict:
+    """Cache bytes per request: our layout (one checkpoint, the conv window of W = RQ + 3
+    positions, one record row of RQ tokens, default T, pending per head) against the
+    stock speculative layout (one FP32 state per verify token, a conv window of
+    3 + T - 1 positions)."""
+    RQ = T if RQ is None else RQ
     state = H * K * K * F32
-    window = T + CONV_TAPS - 1
-    ours = (state + 3 * H * K * window * BF16 + H * T * K * F32 + H * T * 2 * K * BF16
+    window = RQ + CONV_TAPS - 1
+    ours = (state + 3 * H * K * window * BF16 + H * RQ * K * F32 + H * RQ * 2 * K * BF16
             + H * I32)
     stock = T * state + 3 * H * K * (3 + T - 1) * BF16
-    return {"T": T, "heads": H, "ours_bytes": ours, "stock_bytes": stock,
+    return {"T": T, "RQ": RQ, "heads": H, "ours_bytes": ours, "stock_bytes": stock,
             "ours_over_stock": ours / stock}
+
+
+LAZY_EVERY = (1, 2, 4, 8)  # checkpoint_every of the lazy section
+LAZY_POINTS = [(B, 4, C) for B in (1, 64, 256) for C in LAZY_EVERY] + [
+    (64, T, C) for T in (2, 8) for C in (1, 4)]  # its (B, T, C) points
+
+
+def lazy_cycle(T: int, checkpoint_every: int) -> list:
+    """The kept counts n a verify starts from in steady state when every token is
+    accepted, RQ = checkpoint_every * T: T, 2T, .., RQ, the last one writing the state
+    (with checkpoint_every 1: T, writing at every step)."""
+    return [T * i for i in range(1, checkpoint_every + 1)]
+
+
+def lazy_step_bytes(H: int, T: int, B: int, checkpoint_every: int) -> dict:
+    """`verify_bytes` averaged over `lazy_cycle`: the state written once a cycle."""
+    cycle = lazy_cycle(T, checkpoint_every)
+    steps = [verify_bytes(H, T, B, B * n, B if n == cycle[-1] else 0) for n in cycle]
+    return {part: sum(s[part] for s in steps) / len(steps) for part in steps[0]}
 
 
 def median(values):
@@ -250,3 +273,24 @@ def copy_bandwidth(torch=None, nbytes: int = 1 << 30, reps: int = 20) -> dict:
         how = "jax jit(a + 1.0), wall clock"
     return {"bytes": 2 * nbytes, "seconds": seconds, "tbps": 2 * nbytes / seconds / 1e12,
             "how": how}
+
+
+def section_parser(doc: str) -> argparse.ArgumentParser:
+    """The command line of a section script that bench.py runs: --json FILE, its rows."""
+    parser = argparse.ArgumentParser(description=doc,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--json", required=True, help="where the rows go (a JSON list)")
+    return parser
+
+
+def points(text: str) -> list:
+    """"AxB,CxD" -> [(A, B), (C, D)]: a section's points on its command line."""
+    return [tuple(int(v) for v in p.split("x")) for p in text.split(",") if p]
+
+
+def emit(rows: list, row: dict, path) -> None:
+    """Appends `row` to `rows`, prints it and rewrites the JSON list at `path`, so that
+    a section stopped midway leaves the rows it had."""
+    rows.append(row)
+    print(json.dumps(row), flush=True)
+    pathlib.Path(path).write_text(json.dumps(rows))

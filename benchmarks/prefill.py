@@ -20,10 +20,7 @@ import os
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # torch shares the GPU
 os.environ.setdefault("FLA_DISABLE_BACKEND_DISPATCH", "1")  # fla's Triton kernels only
 
-import argparse
 import functools
-import json
-import pathlib
 import statistics
 import sys
 import time
@@ -111,19 +108,14 @@ def run(args) -> list:
                     row["tokens_per_s"] = B * L / (row["us"] * 1e-6)
                 except Exception as error:  # noqa: BLE001 - out of memory, a missing kernel
                     row["error"] = f"{type(error).__name__}: {str(error)[:300]}"
-            rows.append(row)
-            print(json.dumps(row), flush=True)
-            pathlib.Path(args.json).write_text(json.dumps(rows))
+            measure.emit(rows, row, args.json)
     return rows
 
 
 def parse(argv):
-    points = lambda text: [tuple(int(v) for v in p.split("x")) for p in text.split(",") if p]
-    parser = argparse.ArgumentParser(description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--json", required=True, help="where the rows go (a JSON list)")
+    parser = measure.section_parser(__doc__)
     parser.add_argument("--heads", type=int, default=measure.KIMI_HEADS)
-    parser.add_argument("--points", type=points, default=list(POINTS),
+    parser.add_argument("--points", type=measure.points, default=list(POINTS),
                         help="BxL prompts (default 1x1024,1x4096,1x16384,8x2048)")
     parser.add_argument("--budget-s", type=float, default=600.0,
                         help="no new point is started past it")

@@ -13,6 +13,8 @@ import json
 import pathlib
 import sys
 
+import measure  # benchmarks/, on sys.path as the script's folder
+
 METHOD_ORDER = ("graph", "events", "jit fori_loop")
 COLUMNS = (  # (impl, label) of the per-T tables
     ("ours-eager", "ours (kernel, eager)"),
@@ -25,6 +27,7 @@ COLUMNS = (  # (impl, label) of the per-T tables
 # Peer checks (info rows): fla's recurrence at H = 32, T = 4 and the copy bandwidth as
 # first measured on an H200, to show that the peer and the ceiling run as expected.
 FLA_EXPECTED_US = {1: 11.5, 64: 221.0, 256: 976.0}
+LAZY_TARGETS_US = {256: 240.0, 64: 66.0}  # the lazy checkpoint's, C = 4, T = 4
 COPY_EXPECTED_TBPS = 4.14
 WHAT_WAS_TIMED = """\
 - **ours (kernel, eager)**: the fused CuTe DSL kernel through `jax_kda.ffi.eager_verify` on
@@ -182,6 +185,20 @@ def targets(results) -> list:
                    f"{ratio:.2f}x ({1e-3 * ours['us']:.2f} vs {1e-3 * fla['us']:.2f} ms)",
                    ratio <= 2, f"{ratio - 2:+.2f}x")
 
+    lazy = lazy_times(results.get("lazy", []))
+    for B, goal in LAZY_TARGETS_US.items():
+        row = lazy.get((B, 4, 4))
+        if row:
+            target(f"lazy checkpoint B={B} T=4 C=4, time per step", f"<= {goal} us",
+                   f"{row['step_us']:.1f} us", row["step_us"] <= goal,
+                   f"{row['step_us'] - goal:+.1f} us")
+    every_step, lazy_one = lazy.get((1, 4, 1)), lazy.get((1, 4, 4))
+    if every_step and lazy_one:
+        target("lazy checkpoint B=1 T=4: C=4 against C=1", "no slower",
+               f"{lazy_one['step_us']:.2f} vs {every_step['step_us']:.2f} us",
+               lazy_one["step_us"] <= every_step["step_us"],
+               f"{lazy_one['step_us'] - every_step['step_us']:+.2f} us")
+
     decoder = [r for r in results.get("decoder", []) if "loop_us" in r]
     B = min((r["B"] for r in decoder), default=None)
     scan, listed = decoder_row(results, "scan", B), decoder_row(results, "list", B)
@@ -308,6 +325,7 @@ def render(results, command=None) -> str:
 
     out += decoder_section(results.get("decoder", []))
     out += prefill_section(results.get("prefill", []))
+    out += lazy_section(results.get("lazy", []))
 
     memory = results.get("memory", [])
     if memory:
@@ -371,6 +389,55 @@ def prefill_section(rows) -> list:
             "size and heads.", "",
             table(["B", "L", "ours", "fla chunk_kda", "ours / fla", "ours compile s"], lines),
             ""]
+
+
+def lazy_times(rows):
+    """{(B, T, C): row} of the lazy checkpoint section's timed rows."""
+    return {(r["B"], r["T"], r["C"]): r for r in rows
+            if r.get("kind") == "time" and "step_us" in r}
+
+
+def lazy_section(rows) -> list:
+    """The lazy checkpoint's section of RESULTS.md (lines), [] without rows."""
+    if not rows:
+        return []
+    mib = lambda b: f"{b / 2**20:.2f} MiB"
+    checks = [[r["C"], f"{r['out_bf16_units']:.2f}", f"{r['state']:.1e}",
+               f"{r['corrections']:.1e}", r["window"], r["pending"]]
+              for r in rows if r.get("kind") == "check"]
+    timed = []
+    for r in rows:
+        if r.get("kind") != "time":
+            continue
+        if "error" in r:
+            timed.append([r["B"], r["T"], r["C"], "-", r["error"][:100], "", "", "", ""])
+            continue
+        per = ", ".join(f"{n}: {us:.1f}" for n, us in r["us_per_n"].items())
+        H, T, B = measure.KIMI_HEADS, r["T"], r["B"]
+        stock = measure.fla_recurrence_bytes(H, T, B)["total"]
+        stock_cache = measure.memory_per_request(H, T)["stock_bytes"]
+        timed.append([B, T, r["C"], r["split"], f"{r['step_us']:.1f} us", per,
+                      f"{r['bytes'] / 1e6:.1f} MB ({stock / 1e6:.1f})",
+                      f"{100 * r['copy_fraction']:.1f}%",
+                      f"{mib(r['cache_bytes'])} ({mib(stock_cache)})"])
+    return ["## Lazy checkpoint: the state written once every C steps", "",
+            "`benchmarks/lazy.py`: `KdaConfig(checkpoint_every=C)`, record_tokens C T, "
+            "H = 32. In steady state with every token accepted a verify starts from n = T, "
+            "2T, .., C T kept tokens and the last writes the state; a step's time is the "
+            "mean over that cycle of each n's time (graph replay, one cache set per launch). "
+            "Bytes per step: the cycle's mean of what a verify must move (the state read "
+            "at every step, written once a cycle); % of the copy bandwidth for those bytes; "
+            "the cache per request (checkpoint, window of C T + 3, C T records). In "
+            "parentheses the stock speculative layout's (a state read and T written per "
+            "verify; a state per verify token).", "",
+            "Checked first, one step at T = 4 (kept counts 0..RQ: steps that keep and that "
+            "write) against the XLA backend on the CPU: out in bf16 units of its row's "
+            "scale, state and corrections against their largest value, window and pending "
+            "differing elements.", "",
+            table(["C", "out", "state", "corrections", "window", "pending"], checks), "",
+            table(["B", "T", "C", "split", "per step", "us at each n",
+                   "bytes per step (stock)", "% of copy", "cache per request (stock)"],
+                  timed), ""]
 
 
 def decoder_section(rows) -> list:

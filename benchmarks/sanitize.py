@@ -2,8 +2,9 @@
 kernel through the eager DLPack path on torch tensors, for each split, with every edge
 case in the batch (padding rows, no records, out-of-range slot and record row), then
 two steps of the stacked-layer kernel on a stacked cache, one in range and one with
-an out-of-range layer (every row padding). The data is built on the CPU, so that the
-only GPU work is the kernel and the copies.
+an out-of-range layer (every row padding); each with checkpoint_every 1 and 2 (the
+record rows' kept counts spread over 0..RQ: verifies that keep and ones that write).
+The data is built on the CPU, so that the only GPU work is the kernel and the copies.
 
     JAX_PLATFORMS=cpu compute-sanitizer --tool memcheck python benchmarks/sanitize.py [SPLIT ...]
 """
@@ -42,24 +43,31 @@ def steps(config, key, params, cache, layers):
     return outs
 
 
+def cache_of(config, key, layers=None):
+    """A random cache on the GPU, its record rows' pending counts spread over 0..RQ."""
+    cache = host_to_cuda(torch, random_cache(jax.random.fold_in(key, 1), config, SLOTS,
+                                             RECORDS, layers=layers))
+    spread = torch.arange(RECORDS, device="cuda", dtype=torch.int32) * config.rq // (RECORDS - 1)
+    cache.pending.copy_(spread[:, None].expand(cache.pending.shape[-2:]))
+    return cache
+
+
 def main(splits):
-    for split in splits:
-        config = KdaConfig(heads=2, tokens=4, split=split)
+    for split, every in ((split, every) for split in splits for every in (1, 2)):
+        config = KdaConfig(heads=2, tokens=4, split=split, checkpoint_every=every)
+        name = f"split {split}, checkpoint_every {every}"
         key = jax.random.key(split)
         params = host_to_cuda(torch, random_params(key, config))
-        cache = host_to_cuda(torch, random_cache(jax.random.fold_in(key, 1), config, SLOTS,
-                                                 RECORDS))
-        for out in steps(config, key, params, cache, [None, None]):
-            assert not torch.isnan(out).any(), f"split {split}: an output was not written"
-        print(f"split {split}: 2 steps ran, outputs written", flush=True)
+        for out in steps(config, key, params, cache_of(config, key), [None, None]):
+            assert not torch.isnan(out).any(), f"{name}: an output was not written"
+        print(f"{name}: 2 steps ran, outputs written", flush=True)
         params = host_to_cuda(torch, random_params(key, config, layers=LAYERS))
-        cache = host_to_cuda(torch, random_cache(jax.random.fold_in(key, 1), config, SLOTS,
-                                                 RECORDS, layers=LAYERS))
-        inside, outside = steps(config, key, params, cache, [LAYERS - 1, LAYERS + 3])
-        assert not torch.isnan(inside).any(), f"split {split}: a stacked output was not written"
-        assert (outside == 0).all(), f"split {split}: an out-of-range layer wrote outputs"
-        print(f"split {split}: stacked, layer {LAYERS - 1} and out-of-range layer "
-              f"{LAYERS + 3} ran", flush=True)
+        inside, outside = steps(config, key, params, cache_of(config, key, LAYERS),
+                                [LAYERS - 1, LAYERS + 3])
+        assert not torch.isnan(inside).any(), f"{name}: a stacked output was not written"
+        assert (outside == 0).all(), f"{name}: an out-of-range layer wrote outputs"
+        print(f"{name}: stacked, layer {LAYERS - 1} and out-of-range layer {LAYERS + 3} ran",
+              flush=True)
 
 
 if __name__ == "__main__":

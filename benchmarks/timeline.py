@@ -46,16 +46,17 @@ def cute_tensors(arrays):
 
 
 class Point:
-    """The operands of one (B, T, split) point on the GPU: one cache set per launch of a
-    graph (at least LAUNCHES, and enough that the state comes from HBM), each cloned
-    with its own copy of the weights, every request with a record row and a slot of its
-    own. `named[i]`: set i's arrays by operand name; `sets[i]`: its CuTe DSL operands
-    in `jax_kda.operands` order."""
+    """The operands of one (B, T, split) point on the GPU (checkpoint_every: the config's
+    lazy checkpoint): one cache set per launch of a graph (at least LAUNCHES, and enough
+    that the state comes from HBM), each cloned with its own copy of the weights, every
+    request with a record row and a slot of its own. `named[i]`: set i's arrays by
+    operand name; `sets[i]`: its CuTe DSL operands in `jax_kda.operands` order."""
 
-    def __init__(self, B, T, split):
+    def __init__(self, B, T, split, checkpoint_every=1):
         import cuda.bindings.driver as cuda
 
-        self.config = KdaConfig(heads=H, tokens=T, split=split)
+        self.config = KdaConfig(heads=H, tokens=T, split=split,
+                                checkpoint_every=checkpoint_every)
         self.solo = solo_ctas(self.config, B, split)  # the launch shape eager_verify picks
         key = jax.random.key(B)
         params = host_to_cuda(torch, random_params(key, self.config))
@@ -76,6 +77,11 @@ class Point:
         self.named = [dict(zip(operands.NAMES, operands.values(w, c, inputs, None, self.out)))
                       for w, c in zip(weights, self.caches)]
         self.sets = [cute_tensors(list(n.values())) for n in self.named]
+
+    def hold(self, n):
+        """Every request's pending count n from now on (`rearm` restores it)."""
+        self.pending.fill_(n)
+        self.rearm()
 
     def rearm(self):
         """Every set's pending counts back to the first ones (a verify leaves -1)."""

@@ -17,7 +17,7 @@ import jax.numpy as jnp
 
 from jax_kda import chunked
 from jax_kda.config import CONV_TAPS, KdaConfig
-from jax_kda.pytrees import AWAITING, KdaCache, KdaParams
+from jax_kda.pytrees import KdaCache, KdaParams, kept
 from jax_kda.rows import (locate, read_history, read_replay, read_state, two_rows, write,
                           write_pending, write_state)
 from jax_kda.validate import check_cache, check_params, check_rows, typed
@@ -27,26 +27,27 @@ def accept(cache: KdaCache, record_rows, accepted, config: KdaConfig) -> KdaCach
     """Records how many of the last verify's T tokens each request accepted.
 
     record_rows, accepted: [B] int32. For every b with 0 <= record_rows[b] < R whose
-    record row awaits an accept (its last verify's pending is -1), pending becomes
-    accepted[b] clamped to [0, T], in every head (and layer of a stacked cache); 0
-    rejects the whole verify. A row that awaits no accept (accepted already, flushed,
-    prefilled) is left as it is, so a repeated accept changes nothing. Only `pending`
-    is read and written.
+    record row awaits an accept (pending -(m + 1) < 0: its last verify kept m records),
+    pending becomes m + accepted[b] clamped to [0, T] (the sum at most RQ), in every
+    head (and layer of a stacked cache); 0 rejects the whole verify. A row that awaits
+    no accept (accepted already, flushed, prefilled) is left as it is, so a repeated
+    accept changes nothing. Only `pending` is read and written.
     """
     typed("config", config, KdaConfig)
     _, R, _ = check_cache(cache, config)
     B = check_rows("record_rows", record_rows)
     check_rows("accepted", accepted, B)
     return dataclasses.replace(cache, pending=_accept(cache.pending, record_rows, accepted,
-                                                      config.tokens))
+                                                      config.tokens, config.rq))
 
 
-@functools.partial(jax.jit, static_argnums=3)
-def _accept(pending, record_rows, accepted, tokens):
+@functools.partial(jax.jit, static_argnums=(3, 4))
+def _accept(pending, record_rows, accepted, tokens, record_tokens):
     R = pending.shape[-2]
     rows = jnp.where((record_rows >= 0) & (record_rows < R), record_rows, R)
     old = pending[..., jnp.minimum(rows, R - 1), :]  # [(L,) B, H]
-    new = jnp.where(old == AWAITING, jnp.clip(accepted, 0, tokens)[:, None], old)
+    counted = kept(old, record_tokens) + jnp.clip(accepted, 0, tokens)[:, None]
+    new = jnp.where(old < 0, jnp.minimum(counted, record_tokens), old)
     return pending.at[..., rows, :].set(new, mode="drop")
 
 
@@ -56,10 +57,12 @@ def flush(params: KdaParams, cache: KdaCache, slots, record_rows,
     stacked cache (params stacked alike).
 
     slots, record_rows: [B] int32, as in VerifyInputs (padding rows and out-of-range
-    indices are skipped). For each request the replayed state S_n is written to its
-    slot, its conv window moves so that positions 0..2 hold the last three inputs, and
-    pending becomes 0; the records stay. A verify after a flush gives the same result
-    as one without it. Call it inside the jitted step that donates the cache (or as
+    indices are skipped). For each request the state S_n with its n kept records
+    replayed (a row awaiting an accept keeps the records before its last verify's) is
+    written to its slot, its conv window moves so that positions 0..2 hold the last
+    three inputs, and pending becomes 0; the records stay. A verify after a flush gives
+    the outputs of one without it, and the same state as of each accepted token (to FP32
+    rounding). Call it inside the jitted step that donates the cache (or as
     `jax.jit(flush, static_argnames="config", donate_argnums=1)`) to update the rows in
     place.
     """
@@ -78,5 +81,6 @@ def _flush(params, cache, slots, record_rows, config):
     state_n = chunked.replay(state_0, *read_replay(params, cache, rows, config))
     history = jnp.moveaxis(read_history(cache, rows), 2, -1)
     conv = write(cache.conv, None, (rows.slot, ..., slice(0, CONV_TAPS - 1)), history)
-    return dataclasses.replace(cache, state=write_state(cache, rows, state_0, state_n),
+    return dataclasses.replace(cache, state=write_state(cache, rows, state_0, state_n,
+                                                        rows.n > 0),
                                conv=conv, pending=write_pending(cache, rows, 0))

@@ -40,7 +40,8 @@ class KdaConfig:
     Attributes:
       heads: H, number of heads (>= 1); every head has K = 128 key and value channels.
       tokens: T, tokens fed to one verify (2..8): the last sampled token plus T-1 drafts.
-      record_tokens: RQ, tokens a record row holds; None means T. Must be >= T.
+      record_tokens: RQ, tokens a record row holds; None means C * T (C =
+        checkpoint_every). Must be >= T.
       lower_bound: the gate's lower bound (finite, < 0); decays are
         exp(lower_bound * sigmoid(.)).
       scale: the query scale (finite, > 0); None means K**-0.5.
@@ -49,6 +50,10 @@ class KdaConfig:
         K rank columns, 1 = four chains over column quarters added as ((c0+c1)+c2)+c3.
       split: CTAs per (request, head) in the CuTe DSL kernel (1, 2, 4, 8); None picks
         one from the batch size. Ignored by the XLA backend.
+      checkpoint_every: C (>= 1). 1 writes the replayed state to the checkpoint at every
+        verify that replays; C > 1 keeps the accepted tokens in the records and writes
+        the state only when the next T records would not fit after them (docs/spec.md,
+        "Lazy checkpoint").
 
     Integer fields take Python or NumPy integers (not bools), real fields any finite
     real number; both are stored as Python int and float.
@@ -62,6 +67,7 @@ class KdaConfig:
     eps: float = 1e-5
     gate_mode: int = 0
     split: int | None = None
+    checkpoint_every: int = 1
 
     def __post_init__(self):
         rules = [
@@ -74,6 +80,7 @@ class KdaConfig:
             ("eps", real, lambda v: v > 0, "a finite float > 0"),
             ("gate_mode", integer, lambda v: v in (0, 1), "0 or 1"),
             ("split", integer, lambda v: v in SPLITS, f"None or one of {SPLITS}"),
+            ("checkpoint_every", integer, lambda v: v >= 1, "an int >= 1"),
         ]
         for name, kind, allowed, expected in rules:
             value = getattr(self, name)
@@ -86,13 +93,16 @@ class KdaConfig:
 
     @property
     def rq(self) -> int:
-        """Tokens a record row holds (record_tokens, or tokens when None)."""
-        return self.tokens if self.record_tokens is None else self.record_tokens
+        """Tokens a record row holds (record_tokens, or checkpoint_every * tokens when
+        None)."""
+        if self.record_tokens is None:
+            return self.checkpoint_every * self.tokens
+        return self.record_tokens
 
     @property
     def window(self) -> int:
-        """W = RQ + 3: positions of the conv window (three inputs before the last
-        verify's first token, then the RQ it may have fed)."""
+        """W = RQ + 3: positions of the conv window (the three inputs before record
+        token 0, then the input of each record token)."""
         return self.rq + CONV_TAPS - 1
 
     @property

@@ -55,11 +55,13 @@ class KdaCache:
 
     state: [S, H, K, K] f32, checkpoint per slot, [value row, key column].
     conv: [S, 3, H, K, W] bf16, convolution window per slot: the three inputs before
-      the last verify's first token, then the tokens it fed.
+      record token 0, then at position j + 3 the input of record token j.
     corrections: [R, H, RQ, K] f32, recorded u_t per value row.
     key_gates: [R, H, RQ, 2, K] bf16, recorded key (index 0) and raw gate (index 1).
-    pending: [R, H] int32, per record row and head: n >= 0 tokens accepted and not yet
-      in the checkpoint, or -1 while the last verify awaits its `accept`.
+    pending: [R, H] int32, per record row and head: n >= 0 accepted tokens kept in the
+      records (positions 0..n-1) and not yet in the checkpoint, or, while the last
+      verify awaits its `accept`, -(m + 1): it kept m records and wrote its own after
+      them (`awaiting`, `kept`).
 
     The state as of a request's last accepted token is (checkpoint, records, pending)
     together; `flush` folds it into the checkpoint alone.
@@ -72,7 +74,21 @@ class KdaCache:
     pending: jax.Array
 
 
-AWAITING = -1  # pending of a record row whose verify has not been accepted yet
+AWAITING = -1  # pending of a record row awaiting the accept of a verify that kept nothing
+
+
+def awaiting(kept_count):
+    """pending of a record row whose last verify kept `kept_count` records and awaits
+    its accept: -(kept_count + 1) (an int or an int32 array)."""
+    return AWAITING - kept_count
+
+
+def kept(pending, record_tokens: int):
+    """The records a verify of the row keeps and replays, [...] int32 from pending
+    [...] int32: pending itself where >= 0, m where it awaits an accept
+    (pending = -(m + 1): a forgotten accept rejects the last verify's tokens), clamped
+    to [0, record_tokens]."""
+    return jnp.clip(jnp.where(pending < 0, ~pending, pending), 0, record_tokens)
 
 
 @_pytree

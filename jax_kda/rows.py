@@ -17,14 +17,14 @@ import jax.numpy as jnp
 
 from jax_kda.config import CONV_TAPS, KdaConfig
 from jax_kda.layer import convolve, decay, gate_projection, gated_rmsnorm, l2_normalize
-from jax_kda.pytrees import AWAITING, KdaCache, KdaParams
+from jax_kda.pytrees import KdaCache, KdaParams, awaiting, kept
 
 
 class Rows(NamedTuple):
     """Where a batch lives in the cache. live: [B] bool (a real request); slot, record:
     [B] int32, in range or past the buffer (writes there are dropped); n: [B, H] int32,
-    the clamped pending count per head (0 for a request with no records); layer: the
-    int32 layer of a stacked cache (clamped into range), or None."""
+    the records kept per head (`pytrees.kept`; 0 for a request with no records); layer:
+    the int32 layer of a stacked cache (clamped into range), or None."""
 
     live: jax.Array
     slot: jax.Array
@@ -86,7 +86,7 @@ def locate(cache: KdaCache, slots, record_rows, config: KdaConfig, layer=None) -
     has_records = live & (record_rows >= 0) & (record_rows < R)
     record = jnp.where(has_records, record_rows, R)
     pending = read(cache.pending, layer, jnp.minimum(record, R - 1))  # [B, H]
-    n = jnp.where(has_records[:, None], jnp.clip(pending, 0, config.rq), 0)
+    n = jnp.where(has_records[:, None], kept(pending, config.rq), 0)
     return Rows(live, jnp.where(live, slots, S), record, n, layer)
 
 
@@ -107,10 +107,11 @@ def write(buffer, layer, index, values):
     return buffer.at[_where(layer, index)].set(values.astype(buffer.dtype), mode="drop")
 
 
-def write_pending(cache: KdaCache, rows: Rows, value: int):
-    """cache.pending with each (record row, head) of the batch set to `value`. The
-    values are computed from the rows' read (`locate`): XLA copies a buffer before a
-    scatter whose values do not depend on its read of that buffer."""
+def write_pending(cache: KdaCache, rows: Rows, value):
+    """cache.pending with each (record row, head) of the batch set to `value` (an int,
+    or [B, H] int32). The values are computed from the rows' read (`locate`): XLA
+    copies a buffer before a scatter whose values do not depend on its read of that
+    buffer."""
     settled = jnp.where(rows.n >= 0, jnp.int32(value), rows.n)
     return write(cache.pending, rows.layer, rows.record, settled)
 
@@ -165,33 +166,44 @@ def prepare_tokens(params: KdaParams, x, f_a, beta, history, config: KdaConfig) 
     )
 
 
-def write_state(cache: KdaCache, rows: Rows, state_0, state_n):
-    """cache.state with S_n written where some head replayed (S_0 kept in the heads
-    that replayed nothing)."""
+def write_state(cache: KdaCache, rows: Rows, state_0, state_n, folded):
+    """cache.state with S_n written in the heads where `folded` ([B, H] bool), S_0 kept
+    in a request's other heads; a request with none folded is not written."""
     S = cache.state.shape[-4]
-    replayed = rows.n > 0  # [B, H]
-    state = jnp.where(replayed[..., None, None], state_n, state_0)
-    return write(cache.state, rows.layer, jnp.where(replayed.any(1), rows.slot, S), state)
+    state = jnp.where(folded[..., None, None], state_n, state_0)
+    return write(cache.state, rows.layer, jnp.where(folded.any(1), rows.slot, S), state)
 
 
-def write_step(cache: KdaCache, rows: Rows, x, history, tokens: Tokens, u,
+def keeps(rows: Rows, config: KdaConfig):
+    """[B, H] bool: where a verify keeps the n replayed tokens in the records and writes
+    its T after them instead of writing S_n (checkpoint_every > 1 and n + T <= RQ)."""
+    room = rows.n + config.tokens <= config.rq
+    return room & (config.checkpoint_every > 1)
+
+
+def write_step(cache: KdaCache, rows: Rows, x, history, tokens: Tokens, u, keep,
                config: KdaConfig) -> KdaCache:
-    """The cache's records, window and pending after a verify (steps 7-9): the T new
-    records at record positions 0..T-1, the window [history, x_0 .. x_{T-1}], and the
-    record row awaiting its accept. x: [B, T, 3, H, K] bf16; history: `read_history`'s;
-    u: [B, H, T, K]."""
-    T = config.tokens
-    window = jnp.concatenate([jnp.moveaxis(history, 2, -1).astype(jnp.bfloat16),
-                              jnp.transpose(x, (0, 2, 3, 4, 1))], axis=-1)
-    conv = write(cache.conv, rows.layer, (rows.slot, ..., slice(0, T + CONV_TAPS - 1)),
-                 window)
-    corrections = write(cache.corrections, rows.layer, (rows.record, slice(None),
-                                                         slice(0, T)), u)
+    """The cache's records, window and pending after a verify (steps 7-9): per head, the
+    T new records at positions base..base+T-1, the window [history, x_0 .. x_{T-1}] at
+    base..base+T+2, and pending awaiting(base), with base = n where `keep` ([B, H], see
+    `keeps`), else 0. x: [B, T, 3, H, K] bf16; history: `read_history`'s;
+    u: [B, H, T, K]. Each head's rows go to its own offset: scatters of [K] (records) and
+    [3, K] (window) pieces, O(B) work."""
+    T, H = config.tokens, config.heads
+    base = jnp.where(keep, rows.n, 0)  # [B, H]
+    heads = jnp.arange(H)[None, :, None]
+    record_at = (rows.record[:, None, None], heads, base[..., None] + jnp.arange(T))
+    corrections = write(cache.corrections, rows.layer, record_at, u)
     records = jnp.stack([tokens.key, tokens.raw_g], axis=-2)  # [B, T, H, 2, K]
-    key_gates = write(cache.key_gates, rows.layer, (rows.record, slice(None), slice(0, T)),
-                      jnp.swapaxes(records, 1, 2))
+    key_gates = write(cache.key_gates, rows.layer, record_at, jnp.swapaxes(records, 1, 2))
+    # [B, H, T + 3, 3 parts, K]: the index's array dims lead, its slices follow
+    window = jnp.concatenate([jnp.moveaxis(history, 1, 2).astype(jnp.bfloat16), x], axis=1)
+    window = jnp.transpose(window, (0, 3, 1, 2, 4))
+    window_at = (rows.slot[:, None, None], slice(None), heads, slice(None),
+                 base[..., None] + jnp.arange(T + CONV_TAPS - 1))
+    conv = write(cache.conv, rows.layer, window_at, window)
     return KdaCache(cache.state, conv, corrections, key_gates,
-                    write_pending(cache, rows, AWAITING))
+                    write_pending(cache, rows, awaiting(base)))
 
 
 def verify_rows(params: KdaParams, cache: KdaCache, inputs, config: KdaConfig, layer,
@@ -209,5 +221,7 @@ def verify_rows(params: KdaParams, cache: KdaCache, inputs, config: KdaConfig, l
     state_n, u, o = recurrence(state_0, read_replay(params, cache, rows, config), tokens)
     out = gated_rmsnorm(jnp.swapaxes(o, 1, 2), inputs.gate, params.norm_weight, config.eps)
     out = jnp.where(rows.live[:, None, None, None], out, jnp.zeros_like(out))
-    cache = write_step(cache, rows, inputs.x, history, tokens, u, config)
-    return out[:B], dataclasses.replace(cache, state=write_state(cache, rows, state_0, state_n))
+    keep = keeps(rows, config)
+    cache = write_step(cache, rows, inputs.x, history, tokens, u, keep, config)
+    return out[:B], dataclasses.replace(
+        cache, state=write_state(cache, rows, state_0, state_n, (rows.n > 0) & ~keep))

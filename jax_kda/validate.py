@@ -6,7 +6,7 @@ import numpy as np
 import jax.numpy as jnp
 
 from jax_kda.config import CONV_TAPS, K, KdaConfig
-from jax_kda.pytrees import AWAITING, KdaCache, KdaParams, VerifyInputs
+from jax_kda.pytrees import KdaCache, KdaParams, VerifyInputs, awaiting
 
 BF16, F32, I32 = jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32), jnp.dtype(jnp.int32)
 BOOL = jnp.dtype(bool)
@@ -133,11 +133,12 @@ def check_inputs(cache: KdaCache, slots, record_rows, config: KdaConfig, *,
     (which a verify treats as padding / as keeping no records), negative indices other
     than the padding slot 0 and the record row -1 (each means one of those, but a
     runner rarely writes them on purpose), a slot or record row used twice in the
-    batch, pending counts outside [0, RQ] or differing between heads or layers (clamped
-    by a verify), and a record row that still awaits the accept of its last verify
-    (whose tokens then count as rejected). With `accepted`: counts outside [0, T]
-    (clamped) and record rows that no verify has left awaiting an accept (the accept
-    is ignored there). Padding rows (slot <= 0) are ignored.
+    batch, pending values that differ between heads or layers, counts above RQ (clamped
+    by a verify), values below -(RQ - T + 1) (awaiting an accept after more kept
+    records than a verify keeps), and a record row that still awaits the accept of its
+    last verify (whose tokens then count as rejected). With `accepted`: counts outside
+    [0, T] (clamped) and record rows that no verify has left awaiting an accept (the
+    accept is ignored there). Padding rows (slot <= 0) are ignored.
     """
     S, R, _ = check_cache(cache, config)
     slots, rows = np.asarray(slots), np.asarray(record_rows)
@@ -160,19 +161,23 @@ def check_inputs(cache: KdaCache, slots, record_rows, config: KdaConfig, *,
             where = np.flatnonzero(mask & (values == value)).tolist()
             problems.append(f"{name}: {value} is used by several requests {where}")
     T, RQ = config.tokens, config.rq
+    lowest = awaiting(RQ - T)  # a verify keeps at most RQ - T records
     for b in np.flatnonzero(indexed):
         n = pending[:, rows[b]]
         first = int(n.flat[0])
         if np.any(n != first):
             problems.append(f"pending[{rows[b]}] (request {b}) differs between heads or "
                             f"layers: {sorted(set(n.ravel().tolist()))}")
-        elif accepted is None and first == AWAITING:
+        elif first < lowest:
+            problems.append(f"pending[{rows[b]}]={first} (request {b}) is below "
+                            f"-(RQ - T + 1)={lowest}: no verify leaves it")
+        elif accepted is None and first < 0:
             problems.append(f"pending[{rows[b]}] (request {b}) awaits the accept of its last "
                             "verify: its tokens count as rejected")
-        elif accepted is None and not 0 <= first <= RQ:
+        elif accepted is None and first > RQ:
             problems.append(f"pending[{rows[b]}]={first} (request {b}) is outside [0, RQ={RQ}]: "
                             "clamped")
-        elif accepted is not None and first != AWAITING:
+        elif accepted is not None and first >= 0:
             problems.append(f"record_rows[{b}]={rows[b]}: no verify awaits an accept there "
                             "(the accept is ignored)")
     if accepted is not None:

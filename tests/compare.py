@@ -91,3 +91,27 @@ def assert_scaled_close(actual, expected, tolerance, what):
 def assert_ulps_close(actual, expected, ulps, what):
     error = float(np.max(bf16_ulps(actual, expected), initial=0.0))
     assert error <= ulps, f"{what}: {error} bf16 ulps over {ulps}"
+
+
+# Against the float64 model (tests/numpy_model.py): a flipped bf16 rounding of o_t (or
+# of a SiLU output) moves an output by a few ulps of 2^-8 of its row's scale; the
+# replayed checkpoint is the closed form (or the scan) in FP32, a few roundings of O(1)
+# terms per token; a key or v rounded the other way moves u_t by a fraction of a bf16
+# ulp of its scale (see test_parity.py).
+MODEL_OUT_RTOL = 4 * 2**-8
+MODEL_STATE_TOL = 1e-5
+MODEL_CORRECTIONS_TOL = 2**-8
+
+
+def assert_matches_model(out, new, model_out, model, what=""):
+    """A verify's results against the model's, within the tolerances above; recorded
+    keys and raw gates within one bf16 ulp (an FP32 exp or sum order that flips a
+    rounding, see test_parity.py), windows and pending exact."""
+    assert np.all(np.isfinite(model_out)), "the model read a poisoned value"
+    assert_out_close(out, model_out, MODEL_OUT_RTOL, f"{what}out")
+    assert_scaled_close(new.state, model.state, MODEL_STATE_TOL, f"{what}state")
+    assert_scaled_close(new.corrections, model.corrections, MODEL_CORRECTIONS_TOL,
+                        f"{what}corrections")
+    assert_ulps_close(new.key_gates, model.key_gates, 1, f"{what}key_gates")
+    for field in ("conv", "pending"):
+        assert_same_bits(getattr(new, field), getattr(model, field), f"{what}{field}")

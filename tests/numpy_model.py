@@ -1,8 +1,9 @@
 """An independent NumPy model of the contract (docs/spec.md), written plainly: per
 request, per head, per token loops, the stock per-token recurrence in float64.
 
-It models one verify (steps 0-9), the runner's `accept` and `flush`, and `prefill`,
-each for one layer or for stacked layers (a leading [L] on every leaf, `layer=i`).
+It models one verify (steps 0-9, with the lazy checkpoint of checkpoint_every > 1),
+the runner's `accept` and `flush`, and `prefill`, each for one layer or for stacked
+layers (a leading [L] on every leaf, `layer=i`).
 The bf16 roundings sit at the stock points (via ml_dtypes). The values rounded there
 are computed as docs/spec.md pins them: the convolution and its SiLU in FP32 with the
 taps in order, the gate projection as FP32 chains in gate_mode's order; everything
@@ -20,7 +21,6 @@ import numpy as np
 K = 128
 TAPS = 4
 NORM_EPS = 1e-6
-AWAITING = -1
 CACHE_FIELDS = ("state", "conv", "corrections", "key_gates", "pending")
 PARAM_FIELDS = ("conv_weight", "conv_bias", "a_log", "dt_bias", "f_b", "norm_weight")
 
@@ -80,9 +80,18 @@ def gate_projection(f_a, f_b, gate_mode):
 
 
 def _sizes(config):
-    RQ = config.tokens if config.record_tokens is None else config.record_tokens
+    RQ = (config.checkpoint_every * config.tokens if config.record_tokens is None
+          else config.record_tokens)
     scale = K**-0.5 if config.scale is None else config.scale
     return config.heads, config.tokens, RQ, scale
+
+
+def kept_records(pending, RQ):
+    """The records a verify of a row keeps, per pending value (an int or an int array):
+    the count itself, or m of a row awaiting the accept of a verify that kept m
+    (pending = -(m + 1)); clamped to [0, RQ]."""
+    pending = np.asarray(pending, np.int64)
+    return np.clip(np.where(pending >= 0, pending, -(pending + 1)), 0, RQ)
 
 
 def copy_cache(cache):
@@ -189,22 +198,26 @@ def _verify_one(params, cache, inputs, config, padding=False):
             continue  # a padding row: nothing read or written
         has_records = 0 <= rec < R
         for h in range(H):
-            n = int(np.clip(old.pending[rec, h], 0, RQ)) if has_records else 0
+            n = int(kept_records(old.pending[rec, h], RQ)) if has_records else 0
             state = _replay(old, slot, rec, h, n, w, config.lower_bound)
-            if n > 0:
+            # lazy checkpoint: the n tokens stay in the records, this verify's go after
+            keep = config.checkpoint_every > 1 and n + T <= RQ
+            if n > 0 and not keep:
                 new.state[slot, h] = state
+            base = n if keep else 0
             window = old.conv[slot, :, h]  # [3 parts, K, W] bf16
             history = np.moveaxis(window[..., n:n + 3], -1, 1)  # [3 parts, 3, K]
             _, out[b, :, h], u, key, raw_g = _tokens(
                 state, f64(history), x[b, :, :, h], f_a[b], beta_logit[b, :, h],
                 gate[b, :, h], w, h, config, T)
             if has_records:
-                new.corrections[rec, h, :T] = u
-                new.key_gates[rec, h, :T, 0] = key
-                new.key_gates[rec, h, :T, 1] = raw_g
-                new.pending[rec, h] = AWAITING
-            new.conv[slot, :, h, :, :3] = window[..., n:n + 3]
-            new.conv[slot, :, h, :, 3:T + 3] = np.moveaxis(raw_x[b, :, :, h], 0, -1)
+                new.corrections[rec, h, base:base + T] = u
+                new.key_gates[rec, h, base:base + T, 0] = key
+                new.key_gates[rec, h, base:base + T, 1] = raw_g
+                new.pending[rec, h] = -(base + 1)
+            new.conv[slot, :, h, :, base:base + 3] = window[..., n:n + 3]
+            new.conv[slot, :, h, :, base + 3:base + T + 3] = np.moveaxis(raw_x[b, :, :, h],
+                                                                         0, -1)
     return out, new
 
 
@@ -215,17 +228,21 @@ float64, cache as numpy arrays)."""
 
 
 def accept(cache, record_rows, accepted, config):
-    """The runner's accept: pending := clamp(accepted, 0, T) in every head (and layer)
-    of each in-range record row where it is AWAITING; everything else unchanged."""
-    T = config.tokens
+    """The runner's accept: in every head (and layer) of each in-range record row that
+    awaits an accept (pending = -(m + 1) < 0), pending := m + clamp(accepted, 0, T), m
+    clamped to [0, RQ] and the sum to RQ; everything else unchanged."""
+    _, T, RQ, _ = _sizes(config)
     new = copy_cache(cache)
     old = np.array(new.pending)
     R = old.shape[-2]
     for rec, count in zip(np.asarray(record_rows).tolist(), np.asarray(accepted).tolist()):
         if not 0 <= rec < R:
             continue
-        row = old[..., rec, :]
-        new.pending[..., rec, :] = np.where(row == AWAITING, min(max(count, 0), T), row)
+        for index in np.ndindex(old[..., rec, :].shape):
+            value = int(old[..., rec, :][index])
+            if value < 0:
+                total = int(kept_records(value, RQ)) + min(max(count, 0), T)
+                new.pending[..., rec, :][index] = min(total, RQ)
     return new
 
 
@@ -240,7 +257,7 @@ def _flush_one(params, cache, batch, config):
             continue
         has_records = 0 <= rec < R
         for h in range(H):
-            n = int(np.clip(old.pending[rec, h], 0, RQ)) if has_records else 0
+            n = int(kept_records(old.pending[rec, h], RQ)) if has_records else 0
             if n > 0:
                 new.state[slot, h] = _replay(old, slot, rec, h, n, w, config.lower_bound)
             new.conv[slot, :, h, :, :3] = old.conv[slot, :, h, :, n:n + 3]
@@ -291,7 +308,7 @@ def _prefill_one(params, cache, inputs, config, padding=False):
         has_records = 0 <= rec < R
         window = np.zeros((3, H, K, 3), raw_x.dtype)  # [part, head, channel, position]
         for h in range(H):
-            n = int(np.clip(old.pending[rec, h], 0, RQ)) if has_records and resume[b] else 0
+            n = int(kept_records(old.pending[rec, h], RQ)) if has_records and resume[b] else 0
             state, history = np.zeros((K, K)), np.zeros((3, 3, K))
             if resume[b]:
                 state = _replay(old, slot, rec, h, n, w, config.lower_bound)

@@ -4,11 +4,13 @@ import dataclasses
 import jax.numpy as jnp
 import numpy as np
 
+from numpy_model import kept_records
+
 
 def poison(cache, config, slots=None, record_rows=None, layer=None):
     """NaN where a verify must not read: in the null slot, in every record at or past
-    its (record row, head)'s pending count (a verify overwrites those up to T and must
-    leave the rest), and, given the batch's `slots` and `record_rows`, in every window
+    its (record row, head)'s kept count (a verify overwrites T of those and must leave
+    the rest), and, given the batch's `slots` and `record_rows`, in every window
     position of a live request's slot outside the three it reads (window[n .. n+2] per
     head). Works on stacked caches too: every layer's null slot and unread records are
     poisoned, the window in `layer` (the layer the batch runs in) only.
@@ -18,7 +20,7 @@ def poison(cache, config, slots=None, record_rows=None, layer=None):
                                                               "key_gates")}
     pending = np.asarray(cache.pending)
     stacked = pending.ndim == 3
-    n = np.clip(pending, 0, config.rq)
+    n = kept_records(pending, config.rq)
     unread = np.arange(config.rq) >= n[..., None]  # [(L,) R, H, RQ]
     new["corrections"][unread] = np.nan
     new["key_gates"][unread] = np.nan
@@ -32,7 +34,7 @@ def poison(cache, config, slots=None, record_rows=None, layer=None):
         for slot, rec in zip(np.asarray(slots).tolist(), np.asarray(record_rows).tolist()):
             if not 0 < slot < S:
                 continue
-            starts = (np.clip(layer_pending[rec], 0, config.rq) if 0 <= rec < R
+            starts = (kept_records(layer_pending[rec], config.rq) if 0 <= rec < R
                       else np.zeros(config.heads, int))
             for h, start in enumerate(starts.tolist()):
                 outside = np.ones(conv.shape[-1], bool)

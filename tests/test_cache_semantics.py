@@ -9,16 +9,11 @@ import jax.numpy as jnp
 import pytest
 
 import numpy_model
-from compare import (assert_out_close, assert_same_bits, assert_same_cache,
-                     assert_scaled_close, assert_ulps_close, bits)
+from compare import (MODEL_STATE_TOL, assert_matches_model, assert_out_close,
+                     assert_same_bits, assert_same_cache, assert_scaled_close, bits)
 from jax_kda import AWAITING, KdaConfig, accept, flush
 from poison import poison
 
-# the float64 model: a flipped bf16 rounding of o_t (or of a SiLU output) moves an
-# output by a few ulps of 2^-8 of its row's scale; the replayed checkpoint is the
-# closed form in FP32, a few roundings of O(1) terms per token (see test_parity.py)
-MODEL_OUT_RTOL = 4 * 2**-8
-MODEL_STATE_TOL = 1e-5
 # flush replays with the chunked closed form, a verify with its own recurrence: the
 # results differ by FP32 reordering (~1e-5 of the state's scale) and, through a
 # flipped o_t rounding, by a few bf16 ulps (2^-8 relative) of an output.
@@ -52,19 +47,6 @@ def with_indices(inputs, slots=None, record_rows=None):
     if record_rows is not None:
         fields["record_rows"] = jnp.asarray(record_rows, jnp.int32)
     return dataclasses.replace(inputs, **fields)
-
-
-def assert_matches_model(out, new, model_out, model, what=""):
-    """A verify's results against the model's, within the tolerances above; recorded
-    keys and raw gates within one bf16 ulp (an FP32 exp or sum order that flips a
-    rounding, see test_parity.py), windows and pending exact."""
-    assert np.all(np.isfinite(model_out)), "the model read a poisoned value"
-    assert_out_close(out, model_out, MODEL_OUT_RTOL, f"{what}out")
-    assert_scaled_close(new.state, model.state, MODEL_STATE_TOL, f"{what}state")
-    assert_scaled_close(new.corrections, model.corrections, 2**-8, f"{what}corrections")
-    assert_ulps_close(new.key_gates, model.key_gates, 1, f"{what}key_gates")
-    for field in ("conv", "pending"):
-        assert_same_bits(getattr(new, field), getattr(model, field), f"{what}{field}")
 
 
 def test_padding_and_untouched_rows(implementation, draw):
@@ -108,11 +90,13 @@ def test_out_of_range_record_row_keeps_no_records(implementation, draw):
     assert_matches_model(out, new, *numpy_model.verify(params, cache, inputs, CONFIG))
 
 
-@pytest.mark.parametrize("stored, clamped", [(-3, 0), (CONFIG.rq + 5, CONFIG.rq)],
-                         ids=["negative", "above_RQ"])
+@pytest.mark.parametrize("stored, clamped", [(-(CONFIG.rq + 5), CONFIG.rq), (-3, 2),
+                                             (CONFIG.rq + 5, CONFIG.rq)],
+                         ids=["awaiting_past_RQ", "awaiting", "above_RQ"])
 def test_pending_is_clamped_per_head(implementation, draw, stored, clamped):
-    # head 0 of record row 1 holds an out-of-range count, head 1 a different valid one:
-    # each head replays its own clamped count and reads its window from its own offset
+    # head 0 of record row 1 holds a count outside [0, RQ] or awaits an accept (-(m + 1):
+    # m kept records), head 1 a different valid count: each head replays its own kept
+    # count, clamped, and reads its window from its own offset
     pending = lambda n: [[1, 3], [n, 2], [2, 2], [4, 1], [3, 3]]
     params, cache, inputs = setup(draw, 3 + clamped, [4, 2], [1, 3], pending=pending(stored))
     _, cache_clamped, _ = setup(draw, 3 + clamped, [4, 2], [1, 3], pending=pending(clamped))

@@ -126,6 +126,11 @@ CONFIG_ERRORS = [
     ("tokens1", {"tokens": 1}, "tokens: expected an int in 2..8, got 1"),
     ("tokens9", {"tokens": 9}, "tokens: expected an int in 2..8, got 9"),
     ("tokens_float", {"tokens": 4.0}, "tokens: expected an int in 2..8, got 4.0"),
+    ("checkpoint_every0", {"checkpoint_every": 0}, "checkpoint_every: expected an int >= 1, got 0"),
+    ("checkpoint_every_float", {"checkpoint_every": 2.0},
+     "checkpoint_every: expected an int >= 1, got 2.0"),
+    ("checkpoint_every_bool", {"checkpoint_every": True},
+     "checkpoint_every: expected an int >= 1, got True"),
     ("record_tokens_below_T", {"record_tokens": 3},
      "record_tokens: expected None or an int >= tokens=4, got 3"),
     ("record_tokens_bool", {"record_tokens": True},
@@ -164,17 +169,26 @@ def test_config_errors(fields, message):
 
 
 def test_config_takes_numpy_numbers_and_stores_python_ones():
-    config = KdaConfig(heads=np.int64(2), tokens=np.int32(4), record_tokens=np.uint8(6),
-                       lower_bound=np.int64(-5), scale=np.float32(0.5), eps=np.float64(1e-5),
-                       gate_mode=np.int16(1), split=np.int64(2))
-    plain = KdaConfig(heads=2, tokens=4, record_tokens=6, lower_bound=-5.0, scale=0.5,
-                      eps=1e-5, gate_mode=1, split=2)
-    for field in ("heads", "tokens", "record_tokens", "gate_mode", "split"):
+    config = KdaConfig(heads=np.int64(2), tokens=np.int32(4), checkpoint_every=np.int8(3),
+                       record_tokens=np.uint8(6), lower_bound=np.int64(-5),
+                       scale=np.float32(0.5), eps=np.float64(1e-5), gate_mode=np.int16(1),
+                       split=np.int64(2))
+    plain = KdaConfig(heads=2, tokens=4, checkpoint_every=3, record_tokens=6, lower_bound=-5.0,
+                      scale=0.5, eps=1e-5, gate_mode=1, split=2)
+    for field in ("heads", "tokens", "checkpoint_every", "record_tokens", "gate_mode", "split"):
         assert type(getattr(config, field)) is int, field
     for field in ("lower_bound", "scale", "eps"):
         assert type(getattr(config, field)) is float, field
     assert config == plain and hash(config) == hash(plain)  # one jit cache entry
     assert config.rq == 6 and config.window == 9
+
+
+@pytest.mark.parametrize("fields, rq", [
+    ({}, 4), ({"checkpoint_every": 3}, 12), ({"checkpoint_every": 3, "record_tokens": 5}, 5)],
+    ids=["default", "L3", "L3-RQ5"])
+def test_record_tokens_default_to_checkpoint_every_steps(fields, rq):
+    config = KdaConfig(heads=2, tokens=4, **fields)
+    assert config.rq == rq and config.window == rq + 3
 
 
 @pytest.mark.parametrize("num_slots, num_records, layers, message", [
@@ -265,6 +279,25 @@ def test_check_inputs_reports_every_problem():
     ]
     with pytest.raises(ValueError, match=check_inputs_message(*expected)):
         check_inputs(cache, slots, record_rows, CONFIG)
+
+
+def test_check_inputs_lazy_pending():
+    # RQ = 8: a verify keeps at most RQ - T = 4 records, so pending >= -(RQ - T + 1) = -5
+    config = KdaConfig(heads=2, tokens=4, checkpoint_every=2)
+    cache = init_cache(config, NUM_SLOTS, NUM_RECORDS)
+    cache = replaced(cache, pending=jnp.asarray([[-5, -5], [-6, -6], [9, 9], [-2, -2]],
+                                                jnp.int32))
+    slots, record_rows = [1, 2, 3, 4], [0, 1, 2, 3]
+    below = "pending[1]=-6 (request 1) is below -(RQ - T + 1)=-5: no verify leaves it"
+    awaits = ("pending[{}] (request {}) awaits the accept of its last verify: its tokens "
+              "count as rejected")
+    with pytest.raises(ValueError, match=check_inputs_message(
+            awaits.format(0, 0), below, "pending[2]=9 (request 2) is outside [0, RQ=8]: clamped",
+            awaits.format(3, 3))):
+        check_inputs(cache, slots, record_rows, config)
+    with pytest.raises(ValueError, match=check_inputs_message(
+            below, "record_rows[2]=2: no verify awaits an accept there (the accept is ignored)")):
+        check_inputs(cache, slots, record_rows, config, accepted=[4, 4, 4, 0])
 
 
 def test_check_inputs_out_of_range_record_row():

@@ -135,8 +135,8 @@ def check(case, reference, out, cache, out_ref, cache_ref, zero_rows, slack=0.0)
 
 
 def run_episode(config, seed, *, conv_dtype=jnp.float32, norm_dtype=jnp.float32,
-                conv_bias=True, edge_cases=True, pending_shift=0):
-    """STEPS verifies of the kernel with random accepted counts (0..T) in between;
+                conv_bias=True, edge_cases=True, pending_shift=0, steps=STEPS):
+    """`steps` verifies of the kernel with random accepted counts (0..T) in between;
     before each, both references run on the CPU from the kernel's cache, so that every
     step is checked alone (the records' bf16 flips do not compound into the next
     step's checkpoint)."""
@@ -145,15 +145,16 @@ def run_episode(config, seed, *, conv_dtype=jnp.float32, norm_dtype=jnp.float32,
     params = random_params(jax.random.fold_in(key, 0), config, conv_dtype=conv_dtype,
                            conv_bias=conv_bias, norm_dtype=norm_dtype)
     cache = random_cache(jax.random.fold_in(key, 1), config, NUM_SLOTS, NUM_RECORDS)
-    if pending_shift:  # out-of-range pending counts, clamped to [0, RQ]
+    if pending_shift:  # pending past RQ (clamped) or awaiting an accept
         cache = dataclasses.replace(cache, pending=cache.pending + pending_shift)
     slots, rows = batch(rng, edge_cases)
     zero_rows = ~((np.asarray(slots) > 0) & (np.asarray(slots) < NUM_SLOTS))
     step = kernel_step(config)
-    case = (f"T{config.tokens} RQ{config.rq} gate{config.gate_mode} split{config.split} "
+    case = (f"T{config.tokens} RQ{config.rq} C{config.checkpoint_every} "
+            f"gate{config.gate_mode} split{config.split} "
             f"{jnp.dtype(conv_dtype).name}/{jnp.dtype(norm_dtype).name} bias={conv_bias} "
             f"seed{seed}")
-    for s in range(STEPS):
+    for s in range(steps):
         cache = poison(cache, config, slots, rows)
         inputs = random_inputs(jax.random.fold_in(key, 10 + s), config, slots, rows)
         on_cpu = jax.device_put((params, cache, inputs), CPU)
@@ -196,11 +197,25 @@ def test_parity_operand_variants(conv_dtype, norm_dtype, conv_bias, split):
 
 @pytest.mark.parametrize("split", (1, 8), ids=lambda s: f"split{s}")
 def test_parity_long_records_and_clamped_pending(split):
-    """record_tokens > tokens, pending beyond RQ (clamped) and negative (0)."""
+    """record_tokens > tokens, pending beyond RQ (clamped) and negative (awaiting an
+    accept with records kept)."""
     config = KdaConfig(heads=2, tokens=3, record_tokens=6, split=split, lower_bound=-3.0,
                        scale=0.1, eps=1e-4)
     run_episode(config, seed=31, pending_shift=5)
     run_episode(config, seed=32, pending_shift=-4)
+
+
+LAZY = [(4, 2, 1), (4, 2, 2), (2, 4, 1), (4, 4, 4), (8, 2, 8), (3, 3, 2)]
+
+
+@pytest.mark.parametrize("tokens,every,split", LAZY,
+                         ids=[f"T{T}-C{C}-split{s}" for T, C, s in LAZY])
+def test_parity_lazy_checkpoint(tokens, every, split):
+    """checkpoint_every C > 1 over episodes long enough that records fill and the state
+    is written: verifies that keep their replayed tokens and write no state, and ones
+    that write it, against both references."""
+    config = KdaConfig(heads=3, tokens=tokens, checkpoint_every=every, split=split)
+    run_episode(config, seed=500 + 10 * tokens + every, steps=2 * every + 2)
 
 
 def test_split_none_and_one_head():

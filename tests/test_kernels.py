@@ -83,9 +83,11 @@ def modules(text):
 def test_one_binary_per_configuration_for_every_batch():
     """A configuration compiles once: two batch sizes, cache sizes and a stacked call at
     another layer count share its binary (and the second lowering compiles nothing);
-    configurations that differ in a compiled-in scalar (eps) or the split get their own."""
+    configurations that differ in a compiled-in scalar (eps), the split or the lazy
+    checkpoint (the same records) get their own."""
     base = KdaConfig(heads=2, tokens=4, split=2)
-    others = [dataclasses.replace(base, eps=1e-3), dataclasses.replace(base, split=1)]
+    others = [dataclasses.replace(base, eps=1e-3), dataclasses.replace(base, split=1),
+              dataclasses.replace(base, checkpoint_every=2, record_tokens=base.rq)]
 
     def program(params, cache, inputs, small):
         outs = []
@@ -99,7 +101,7 @@ def test_one_binary_per_configuration_for_every_batch():
     _, _, small = example(base, batch=2)
     found = modules(exported(program, *map(shapes, (params, cache, inputs, small)))
                     .mlir_module())
-    assert len(found) == 4 and len(set(found)) == 3 and found[0] == found[3]
+    assert len(found) == 5 and len(set(found)) == 4 and found[0] == found[4]
 
     step = lambda p, c, i: fused_verify(p, c, i, base, backend="cutedsl")
     _, bigger, five = example(base, batch=5)

@@ -111,7 +111,8 @@ def errors(out, cache, expected_out, expected):
 
 def first_pending(rng, config):
     """Pending counts per (record row, head) as a decode can leave them and beyond:
-    different between heads, AWAITING (-1), 0..RQ, and out of range (clamped)."""
+    different between heads, AWAITING (-1), -2 (awaiting after one kept record), 0..RQ,
+    and out of range (clamped)."""
     values = rng.integers(-2, config.rq + 3, size=(NUM_RECORDS, HEADS))
     values[rng.random(values.shape) < 0.2] = -1
     return jnp.asarray(values, jnp.int32)

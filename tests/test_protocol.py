@@ -168,9 +168,9 @@ def test_accept_without_a_verify_changes_nothing(draw, before):
         prompts = PrefillInputs(inputs.x, inputs.f_a, inputs.beta, inputs.gate,
                                 arrays([T, 1]), slots, rows)
         _, cache = prefill(params, cache, prompts, CONFIG)
-    elif before == "edges":  # every count a row may hold that is not AWAITING
+    elif before == "edges":  # counts a row may hold that awaits no accept (>= 0)
         cache = dataclasses.replace(cache, pending=arrays(
-            [[0, 0], [RQ, RQ], [-2, -2], [RQ + 1, 0], [3, AWAITING]]))
+            [[0, 0], [RQ, RQ], [2, RQ + 9], [RQ + 1, 0], [3, AWAITING]]))
     # rows 0..3 await nothing (row 4, awaiting in one head in "edges", is not listed)
     rows_all = arrays([0, 1, 2, 3, -1, NUM_RECORDS])
     new = accept(cache, rows_all, arrays([1, 2, 3, 4, 2, 2]), CONFIG)

@@ -4,7 +4,8 @@ table: registers per thread, spill (local memory) bytes, shared memory, compile 
     python -m jax_kda.kernels --arch sm_90a [--subset] [--jobs N]
 
 Every T, gate mode and split, then the operand variants (no bias; bf16 conv and norm
-weights) and the stacked-layer build on one shape per split; `--subset`: every split at
+weights), the stacked-layer build and the lazy checkpoint (checkpoint_every 4) on one
+shape per split, checkpoint_every 2 and 8 at split 1; `--subset`: every split at
 tokens 2, 4 and 8. Configurations compile in N processes (default: one per CPU). The
 exit status is 1 if a configuration fails to compile or spills.
 """
@@ -46,7 +47,8 @@ def launch_smem_bytes(compiled):
 
 
 def configurations(subset, only=()):
-    base = dict(has_bias=True, conv_dtype="float32", norm_dtype="float32", stacked=False)
+    base = dict(has_bias=True, conv_dtype="float32", norm_dtype="float32", stacked=False,
+                checkpoint_every=1)
     if only:
         for T, gate_mode, split in only:
             yield dict(base, tokens=T, gate_mode=gate_mode, split=split)
@@ -54,11 +56,13 @@ def configurations(subset, only=()):
     tokens = (2, 4, 8) if subset else range(2, 9)
     for T, gate_mode, split in itertools.product(tokens, (0, 1), (1, 2, 4, 8)):
         yield dict(base, tokens=T, gate_mode=gate_mode, split=split)
-    if not subset:  # the operand variants and the stacked build, one shape per split
+    if not subset:  # the operand variants, stacked and lazy builds, one shape per split
         variants = [dict(has_bias=False), dict(conv_dtype="bfloat16", norm_dtype="bfloat16"),
-                    dict(stacked=True)]
+                    dict(stacked=True), dict(checkpoint_every=4)]
         for split, variant in itertools.product((1, 2, 4, 8), variants):
             yield dict(base, tokens=4, gate_mode=0, split=split, **variant)
+        for every in (2, 8):  # the shortest and the longest records of split 1
+            yield dict(base, tokens=4, gate_mode=0, split=1, checkpoint_every=every)
 
 
 def compile_one(arch, heads, c):
@@ -67,7 +71,8 @@ def compile_one(arch, heads, c):
     from jax_kda.config import KdaConfig
     from jax_kda.kernels import compile_verify
 
-    config = KdaConfig(heads=heads, tokens=c["tokens"], gate_mode=c["gate_mode"])
+    config = KdaConfig(heads=heads, tokens=c["tokens"], gate_mode=c["gate_mode"],
+                       checkpoint_every=c["checkpoint_every"])
     report = io.StringIO()
     start = time.perf_counter()
     try:
@@ -97,7 +102,8 @@ def main(argv=None):
                         help="compile just this configuration (repeatable)")
     args = parser.parse_args(argv)
     print(f"{'T':>2} {'gate':>4} {'split':>5} {'bias':>5} {'conv':>8} {'norm':>8} "
-          f"{'stack':>5} {'regs':>4} {'local':>5} {'smem':>6} {'secs':>5}  status", flush=True)
+          f"{'stack':>5} {'every':>5} {'regs':>4} {'local':>5} {'smem':>6} {'secs':>5}  status",
+          flush=True)
     failed = 0
     work = list(configurations(args.subset, args.only))
     with concurrent.futures.ProcessPoolExecutor(max(1, min(args.jobs, len(work)))) as pool:
@@ -106,7 +112,8 @@ def main(argv=None):
             failed += status != "ok"
             print(f"{c['tokens']:>2} {c['gate_mode']:>4} {c['split']:>5} "
                   f"{str(c['has_bias']):>5} {c['conv_dtype']:>8} {c['norm_dtype']:>8} "
-                  f"{str(c['stacked']):>5} {regs!s:>4} {local!s:>5} {smem!s:>6} "
+                  f"{str(c['stacked']):>5} {c['checkpoint_every']:>5} {regs!s:>4} "
+                  f"{local!s:>5} {smem!s:>6} "
                   f"{seconds:5.1f}  {status}", flush=True)
     print(f"{failed} configurations failed or spilled" if failed else "all compiled, no spills")
     return 1 if failed else 0

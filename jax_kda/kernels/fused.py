@@ -135,6 +135,7 @@ class FusedVerify:
         self.timeline, self.solo, self.stacked = timeline, solo, stacked
         self.heads, self.tokens, self.record_tokens = config.heads, config.tokens, config.rq
         self.gate_mode, self.lower_bound = config.gate_mode, config.lower_bound
+        self.lazy = config.checkpoint_every > 1  # a verify may keep its replayed tokens
         self.scale, self.eps = config.query_scale, config.eps
         self.sizes = operands.sizes_of(config, None, None, None)
         self.rows = K // split  # RC: state rows per CTA
@@ -279,14 +280,14 @@ class FusedVerify:
             self.gate_projection(activation_words, weights.fb_words, weights.dt_gate, a_exp,
                                  smem.decays, smem.raw_gates, smem.gates_arrived, block, tid)
         # the pending count and beta arrive behind the slot: used only now
-        n = cutlass.max(cutlass.min(pending_n, Int32(self.record_tokens)), Int32(0))
+        n, write, base = self.kept(pending_n)
         if tid < T:
             smem.betas[tid] = sigmoids([beta_t])[0]
         self.stamp(timeline, Phase.GATES_PROJECTED, tid)
         self.await_operands(smem, item, crowded, head, rank, tid)
         self.stamp(timeline, Phase.OPERANDS_ARRIVED, tid)
         activations = self.convolve(smem.window, smem.x_in, weights.taps, weights.bias,
-                                    smem.values_v, smem.norm_sums, n, tid)
+                                    smem.values_v, smem.norm_sums, n, base, tid)
         self.load_records(smem.records_in, smem.kp, smem.old_decays, smem.old_sums, a_exp,
                           weights.scalars[1], n, tid)
         cute.arch.griddepcontrol_launch_dependents()
@@ -295,19 +296,36 @@ class FusedVerify:
         if cutlass.const_expr(self.split > 1):
             cute.arch.cluster_wait()  # every CTA of the item has read the old records
         self.stamp(timeline, Phase.CLUSTER_SYNCED, tid)
-        self.write_records(ptr, activations, smem.raw_gates, smem.window, item, head, rank,
-                           tid)
+        self.write_records(ptr, activations, smem.raw_gates, smem.window, item, base, head,
+                           rank, tid)
         self.vectors(smem, activations, n, tid)
         self.stamp(timeline, Phase.VECTORS_READY, tid)
-        self.state_pass(ptr.state, smem, item.slot, n, head, rank * self.rows, timeline, tid)
+        self.state_pass(ptr.state, smem, item.slot, n, write, head, rank * self.rows,
+                        timeline, tid)
         cute.arch.barrier()
         self.stamp(timeline, Phase.STATE_PASSED, tid)
-        outs, gated = self.solve_rows(ptr.corrections, smem, item, head, rank * self.rows,
-                                      tid)
+        outs, gated = self.solve_rows(ptr.corrections, smem, item, base, head,
+                                      rank * self.rows, tid)
         self.stamp(timeline, Phase.SOLVED, tid)
         self.gated_norm(ptr.out, outs, gated, smem, weights.scalars[2], request, head, rank,
                         tid)
         self.stamp(timeline, Phase.NORMED, tid)
+
+    @cute.jit
+    def kept(self, pending):
+        """(n, write, base) of a (request, head) from its pending count: n the records it
+        replays (pending, or m where it awaits an accept as -(m + 1)), clamped to
+        [0, RQ]; write whether S_n goes to the checkpoint (n > 0, and with
+        checkpoint_every > 1 only where the records lack room for T more: n + T > RQ);
+        base where this verify's T records go (n where it keeps the n, else 0)."""
+        RQ: cutlass.Constexpr = self.record_tokens
+        n = cutlass.select_(pending < 0, Int32(-1) - pending, pending)
+        n = cutlass.max(cutlass.min(n, Int32(RQ)), Int32(0))
+        write, base = n > 0, Int32(0)
+        if cutlass.const_expr(self.lazy):
+            write = n + self.tokens > RQ
+            base = cutlass.select_(write, Int32(0), n)
+        return n, write, base
 
     @cute.jit
     def shared_memory(self):
@@ -627,12 +645,13 @@ class FusedVerify:
                             aligned(src, base + r * stride + j * per, 16))
 
     @cute.jit
-    def convolve(self, window, x_in, taps, bias, values_v, norm_sums, n, tid):
+    def convolve(self, window, x_in, taps, bias, values_v, norm_sums, n, base, tid):
         """The short convolution and SiLU of this thread's channel: q and k (section 0,
         rows 0 and 1; sums of squares per warp into norm_sums) or v (section 1, row 0;
         into values_v), from the staged window (whole: staged before n was known) and
         inputs. The history is window[n .. n+2]; the channel's new window [history,
-        x_0 .. x_{T-1}] replaces it in place. Returns the activations."""
+        x_0 .. x_{T-1}] replaces positions base .. base + T + 2 in place. Returns the
+        activations."""
         T: cutlass.Constexpr = self.tokens
         channel, section = tid % K, tid // K
         lane, warp = tid % 32, tid // 32
@@ -647,7 +666,7 @@ class FusedVerify:
                 for t in cutlass.range_constexpr(T):
                     seq[3 + t] = Float32(x_in[t, part, channel])
                 for i in cutlass.range_constexpr(T + 3):
-                    window[part, channel, i] = BFloat16(seq[i])
+                    window[part, channel, base + i] = BFloat16(seq[i])
                 for t in cutlass.range_constexpr(T):
                     y = bias[s]
                     for i in cutlass.range_constexpr(4):  # rounded products, as the stock loop
@@ -834,9 +853,9 @@ class FusedVerify:
         decay_n[channel] = suffix
 
     @cute.jit
-    def state_pass(self, state, smem, slot, n, head, row0, timeline, tid):
+    def state_pass(self, state, smem, slot, n, write, head, row0, timeline, tid):
         """Per 4-key chunk of this thread's rows: S_n = S_0 D_n + sum_t u_t (kn_t P_t),
-        written back if n > 0, and the 2T dot products with Gamma k and Gamma q; the
+        written back if `write`, and the 2T dot products with Gamma k and Gamma q; the
         LANES partial dots of a row are then summed into dots[row]."""
         T: cutlass.Constexpr = self.tokens
         RPT: cutlass.Constexpr = self.rows_per_thread
@@ -887,7 +906,7 @@ class FusedVerify:
                 for e in cutlass.range_constexpr(4):
                     rows[r, e] = cute.math.fma(rows[r, e], d4[e], replayed[r, e])
                 target = aligned(state, base + (first_row + r) * K + key, 16)
-                store_f32x4_if(target, [rows[r, e] for e in range(4)], n > 0)
+                store_f32x4_if(target, [rows[r, e] for e in range(4)], write)
             for j in cutlass.range_constexpr(2 * T):
                 x4 = load_vec(xvec.iterator, j * K + key, 4)
                 for r in cutlass.range_constexpr(RPT):
@@ -913,11 +932,11 @@ class FusedVerify:
                 rows[r, e] = v[e]
 
     @cute.jit
-    def solve_rows(self, corrections, smem, item, head, row0, tid):
+    def solve_rows(self, corrections, smem, item, base, head, row0, tid):
         """Per state row (thread < RC): the T x T forward substitution for u_t, u_t into
-        the records; returns the outputs o_t (bf16) and the output gates sigmoid(gate_t)
-        of the row, which `vectors` left in old_decays [T, RC] (zeros in the other
-        threads)."""
+        the records at positions base + t; returns the outputs o_t (bf16) and the output
+        gates sigmoid(gate_t) of the row, which `vectors` left in old_decays [T, RC]
+        (zeros in the other threads)."""
         T: cutlass.Constexpr = self.tokens
         dots, pair_sums, values_v = smem.dots, smem.pair_sums, smem.values_v
         betas, output_gates = smem.betas, smem.old_decays
@@ -936,7 +955,8 @@ class FusedVerify:
                     total = cute.math.fma(pair_sums[pair_index(T, t, s, "A")], us[s], total)
                 us[t] = (values_v[t, row] - total) * betas[t]
                 if item.has_records:
-                    corrections[self.offset("corrections", item.rec, head, t, row)] = us[t]
+                    corrections[self.offset("corrections", item.rec, head, base + t,
+                                            row)] = us[t]
             for t in cutlass.range_constexpr(T):
                 o = dots[tid, T + t]
                 for s in cutlass.range_constexpr(t + 1):
@@ -981,13 +1001,14 @@ class FusedVerify:
                 out[where] = BFloat16(outs[t] * rstd[t] * nw * gated[t])
 
     @cute.jit
-    def write_records(self, ptr, activations, raw_gates, window, item, head, rank, tid):
+    def write_records(self, ptr, activations, raw_gates, window, item, base, head, rank,
+                      tid):
         """Once every CTA of the item has read the old ones, each CTA writes its channel
-        share of the new records' keys (section 0) and raw gates (section 1) and of the
-        new window (in shared memory: `convolve`), 16 bytes a thread, coalesced (a
-        channel's row is T + 3 positions: per-channel stores would split sectors); then
-        rank 0 leaves the record row awaiting its accept (every CTA of the item has read
-        the pending count by then)."""
+        share of the new records' keys (section 0) and raw gates (section 1), at
+        positions base + t, and of the new window (in shared memory: `convolve`), 16
+        bytes a thread, coalesced (a channel's row is W positions: per-channel stores
+        would split sectors); then rank 0 leaves the record row awaiting its accept with
+        base records kept (every CTA of the item has read the pending count by then)."""
         T: cutlass.Constexpr = self.tokens
         W: cutlass.Constexpr = self.config.window
         share: cutlass.Constexpr = K // self.split
@@ -995,7 +1016,7 @@ class FusedVerify:
         channel, section = tid % K, tid // K
         if item.has_records & (channel // share == rank):
             for t in cutlass.range_constexpr(T):
-                at = self.offset("key_gates", item.rec, head, t, 0, channel)
+                at = self.offset("key_gates", item.rec, head, base + t, 0, channel)
                 if section == 0:
                     ptr.key_gates[at] = BFloat16(activations[1, t])
                 else:
@@ -1007,4 +1028,4 @@ class FusedVerify:
                 store_vec(ptr.conv, self.offset("conv", item.slot, part, head) + within,
                           load_vec(window.iterator, part * K * W + within, 8))
         if (tid == 0) & (rank == 0) & item.has_records:
-            ptr.pending[self.offset("pending", item.rec, head)] = Int32(AWAITING)
+            ptr.pending[self.offset("pending", item.rec, head)] = Int32(AWAITING) - base

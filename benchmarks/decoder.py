@@ -37,6 +37,15 @@ cheaper new-batch compile): its rows have used = True. At the first batch the us
 scan also runs on a cache of SLOTS_CHECK slots (the same live rows): its step time must
 not depend on S.
 
+Tensor parallel (--tp, default 1,2,4): the used scan with every layer's heads split
+over tp devices (`jax_kda.head_specs`), tp > 1 where the devices are there and tp
+divides H (a row with `skipped` otherwise), in two forms: tp_form "shard_map" (each
+device runs the step on its H / tp heads with `jax_kda.local_config`) and "jit" (the
+step as written, on head-sharded arrays: the library's sharding rule splits it). Each
+first checks its cache after one step against the single-device step's (TP_TOLERANCE),
+then is timed as above (tp_error: that check's worst leaf, in units of its tolerance);
+speedup is the tp = 1 scan's blocked_us over its own.
+
 XLA flags come from the environment; bench.py runs it once per command-buffer setting:
 
     XLA_FLAGS=--xla_gpu_enable_command_buffer= python benchmarks/decoder.py --json out.json
@@ -59,10 +68,11 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import AxisType, NamedSharding
 
 import measure  # benchmarks/, on sys.path as the script's folder
 import peers
-from jax_kda import KdaConfig, accept, fused_verify
+from jax_kda import KdaConfig, accept, fused_verify, head_specs, local_config
 from jax_kda.profiling import traced_steps
 from jax_kda.testing import random_accepted, random_cache, random_inputs, random_params
 from jax_kda.verify import cutedsl_supported
@@ -72,6 +82,11 @@ SLOTS_CHECK = 1025
 UNROLLS = (1, True)
 TRACED_STEPS = 16
 STEP_SECONDS = 0.2  # wall time each timed loop aims at
+TP_AXIS = "tp"
+TP_FORMS = ("shard_map", "jit")
+# a tp step's cache against the single-device step's, over the buffer's max |value|: the
+# FP32 state and corrections to their rounding; a bf16 raw gate recorded one ulp apart
+TP_TOLERANCE = {"float32": 1e-5, "bfloat16": 2**-7, "int32": 0.0}
 
 
 def scan_step(config: KdaConfig, layers: int, backend: str, unroll):
@@ -115,6 +130,56 @@ def with_slots(cache, slots: int):
     in a bigger cache."""
     grow = lambda a: jnp.pad(a, [(0, 0), (0, slots - a.shape[1])] + [(0, 0)] * (a.ndim - 2))
     return dataclasses.replace(cache, state=grow(cache.state), conv=grow(cache.conv))
+
+
+def tp_step(form: str, config: KdaConfig, layers: int, backend: str, unroll, mesh, specs):
+    """The scan form with the heads split over `mesh` (specs: of its operands), as
+    tp_form `form` runs it (see the module's docstring)."""
+    if form == "jit":
+        return scan_step(config, layers, backend, unroll)
+    local = local_config(config, mesh.shape[TP_AXIS])
+    return jax.shard_map(scan_step(local, layers, backend, unroll), mesh=mesh,
+                         in_specs=specs, out_specs=specs[1])
+
+
+def tp_error(actual, expected) -> float:
+    """The worst leaf's max |actual - expected| over its max |expected| and its dtype's
+    TP_TOLERANCE: <= 1 passes."""
+    worst = 0.0
+    for a, e in zip(jax.tree.leaves(actual), jax.tree.leaves(expected)):
+        tolerance = TP_TOLERANCE[jnp.dtype(e.dtype).name]
+        a, e = np.asarray(a, np.float64), np.asarray(e, np.float64)
+        gap = np.max(np.abs(a - e), initial=0.0) / max(np.max(np.abs(e), initial=0.0), 1e-30)
+        worst = max(worst, gap / tolerance if tolerance else float(np.inf if gap else 0.0))
+    return worst
+
+
+def tp_rows(args, config: KdaConfig, unroll, operands, base_us: float, common: dict) -> list:
+    """The used scan at each tp > 1 of args.tp, in each tp_form: checked against the
+    single-device step, then timed (speedup: base_us, the tp = 1 scan's blocked_us,
+    over its own); rows with `skipped` where the devices or the heads do not allow it."""
+    rows = []
+    expected = jax.jit(scan_step(config, args.layers, args.backend, unroll))(*operands)
+    for tp in (tp for tp in args.tp if tp > 1):
+        if tp > jax.device_count() or config.heads % tp:
+            rows.append(dict(common, form="scan", tp=tp, skipped=(
+                f"needs {tp} devices ({jax.device_count()} here) and a divisor of "
+                f"H = {config.heads}")))
+            continue
+        mesh = jax.make_mesh((tp,), (TP_AXIS,), axis_types=(AxisType.Auto,))
+        specs = head_specs(operands, TP_AXIS)
+        for form in TP_FORMS:
+            split = jax.tree.map(lambda a, s: jax.device_put(a, NamedSharding(mesh, s)),
+                                 operands, specs)
+            step = tp_step(form, config, args.layers, args.backend, unroll, mesh, specs)
+            error = tp_error(jax.jit(step)(*split), expected)
+            if error > 1:
+                raise AssertionError(f"tp={tp} {form}: the cache after one step differs from "
+                                     f"the single-device step's ({error:.2f} x tolerance)")
+            row, _ = measure_form(step, *split)
+            rows.append(dict(common, form="scan", unroll=unroll, tp=tp, tp_form=form,
+                             tp_error=error, speedup=base_us / row["blocked_us"], **row))
+    return rows
 
 
 def unstack(tree, layers: int) -> list:
@@ -262,6 +327,8 @@ def run(args) -> list:
             rows.append(dict(common, form="scan", unroll=unroll, used=True, S=SLOTS_CHECK,
                              check="slots", **row))
         used.update(layer_chain(config, L, params, cache, inputs))
+        rows += tp_rows(args, config, unroll, (params, cache, inputs, accepted),
+                        used["blocked_us"], common)
         params, cache = unstack(params, L), unstack(cache, L)
         row, cache = measure_form(list_step(config, args.backend), params, cache, inputs,
                                   accepted, new)
@@ -271,7 +338,8 @@ def run(args) -> list:
         del params, cache
         cost = time.perf_counter() - start
         print(f"B={B} ({cost:.0f} s): " + "; ".join(
-            f"{r['form']} unroll={r.get('unroll')} S={r['S']}: loop {r['loop_us']:.1f} us, "
+            f"{r['form']} unroll={r.get('unroll')} S={r['S']} tp={r.get('tp', 1)}"
+            f"{' ' + r['tp_form'] if 'tp_form' in r else ''}: loop {r['loop_us']:.1f} us, "
             f"blocked {r['blocked_us']:.1f} us, gpu step {r.get('gpu', {}).get('step_us')} us"
             for r in rows if r["B"] == B and "loop_us" in r), flush=True)
     save(rows, args.json)
@@ -292,6 +360,9 @@ def parse(argv):
                         help="fused_verify's backend (default cutedsl where it runs, else jax)")
     parser.add_argument("--unroll", choices=("1", "True"), default=None,
                         help="the scan's unroll (default: try both at the first batch)")
+    parser.add_argument("--tp", type=ints, default=[1, 2, 4],
+                        help="devices the heads are split over (default 1,2,4: those "
+                             "present)")
     parser.add_argument("--budget-s", type=float, default=600.0,
                         help="no new batch size is started past it")
     args = parser.parse_args(argv)

@@ -32,18 +32,33 @@ greedy decoding from each prompt. Where greedy decoding's top two logits are wit
 TIE, the contract's freedom in FP32 summation order can break the tie either way; such
 a token is reported as a tie, any other difference as a failure (exit status 1).
 
+`--tp N` runs the model tensor-parallel over N devices, Megatron-style: each device
+holds H / N heads of every KDA layer (its slices of `KdaParams` and of the cache,
+`jax_kda.head_specs`) and the matching columns of the q/k/v, beta and output-gate
+projections and of the MLP's up projection (column-parallel), and rows of the output
+and down projections (row-parallel), whose partial sums are all-reduced: one all-reduce
+per KDA block and one per MLP block. The prefill and the decode step are one
+`jax.shard_map` each, the KDA layers called with the per-device config
+(`jax_kda.local_config`); the embeddings, norms, the gate's low-rank activations and the
+draft are whole on every device. On CPU, give XLA more than N devices (2N, say): jaxlib's
+batched LAPACK kernels (the prefill's triangular solves) wait inside XLA:CPU's thread
+pool, of a thread per device on a machine of fewer cores, which N devices waiting at once
+stall; with N devices the example refuses to start.
+
 On a GPU the decode step is also timed on a full batch: its wall time per step in the
 Python loop against the device's busy time per step from JAX's profiler trace
 (`jax_kda.profiling`), the difference being the host's dispatch and waiting.
 
     python examples/speculative_decoding.py                       # small, CPU, < 1 minute
     python examples/speculative_decoding.py --heads 32 --dim 2304 --batch 32  # Kimi-Linear-like
+    XLA_FLAGS=--xla_force_host_platform_device_count=4 python examples/speculative_decoding.py --tp 2
 """
 from __future__ import annotations
 
 import argparse
 import dataclasses
 import functools
+import re
 import statistics
 import sys
 import time
@@ -52,6 +67,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 import jax_kda
 from jax_kda import K, KdaCache, KdaConfig, KdaParams, PrefillInputs, VerifyInputs
@@ -69,6 +85,7 @@ TIE = 1e-2
 TIMED_STEPS = 20  # full-batch decode steps timed on a GPU, in the loop and in the trace
 DECODE_UNROLL = True  # constant layer indices: no while loop, no per-step copy of layer weights
 PREFILL_UNROLL = 1  # rolled: compile time flat in L, for a call made once per admission
+TP_AXIS = "tp"  # the mesh axis of --tp
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,6 +96,9 @@ class ModelConfig:
     heads: H heads of K = 128 per KDA layer. tokens: T, tokens per verify (2..8).
     residual_gain: scale of each block's output projections, i.e. how far the layers
     move the logits away from the bigram draft's (and so how often drafts are rejected).
+    tp_axis: None on one device; inside `jax.shard_map`, the mesh axis whose devices
+    hold this config's heads (and MLP columns) each: the row-parallel projections'
+    partial sums are all-reduced over it (`shard_config`).
     """
 
     vocab: int = 512
@@ -87,6 +107,7 @@ class ModelConfig:
     heads: int = 2
     tokens: int = 4
     residual_gain: float = 0.25
+    tp_axis: str | None = None
 
     @property
     def kda(self) -> KdaConfig:
@@ -152,6 +173,47 @@ def unstacked(model: Model, config: ModelConfig) -> Model:
     return model._replace(blocks=blocks)
 
 
+def shard_config(config: ModelConfig, tp: int) -> ModelConfig:
+    """The config of one of `tp` devices on TP_AXIS: H / tp heads, its row-parallel
+    partial sums all-reduced over the axis."""
+    return dataclasses.replace(config, heads=config.heads // tp, tp_axis=TP_AXIS)
+
+
+def model_specs(model: Model) -> Model:
+    """The `PartitionSpec`s of a stacked model split over TP_AXIS (`shard_model`):
+    column-parallel projections split their columns, row-parallel ones their rows, the
+    KDA weights their heads; the rest is whole on every device."""
+    column, row = P(None, None, TP_AXIS), P(None, TP_AXIS, None)
+    blocks = Block(norm=P(), w_x=column, w_fa=P(), w_beta=column, w_gate=column,
+                   kda=jax_kda.head_specs(model.blocks.kda, TP_AXIS), w_out=row,
+                   mlp_norm=P(), w_up=column, w_down=row)
+    return Model(embed=P(), blocks=blocks, final_norm=P(), unembed=P())
+
+
+def shard_model(model: Model, mesh) -> Model:
+    """The stacked model on `mesh`, split over TP_AXIS as `model_specs` says. w_x's
+    columns [3, H, K] are regrouped device first, so that each device's columns are the
+    q, k and v of its heads; the others are head-major already (w_gate [H, K], w_out's
+    rows [H, K]) or split evenly (the MLP)."""
+    L, D, _ = model.blocks.w_x.shape
+    w_x = model.blocks.w_x.reshape(L, D, 3, mesh.shape[TP_AXIS], -1).swapaxes(2, 3)
+    model = model._replace(blocks=model.blocks._replace(w_x=w_x.reshape(L, D, -1)))
+    return place(model, model_specs(model), mesh)
+
+
+def place(tree, specs, mesh):
+    """`tree`'s arrays on `mesh`, split as `specs` says."""
+    return jax.tree.map(lambda a, s: jax.device_put(a, NamedSharding(mesh, s)), tree, specs)
+
+
+def tensor_parallel(step, mesh, specs, inputs: int, outputs: int):
+    """step(model, cache, *inputs) -> (cache, *outputs) under `jax.shard_map` on `mesh`:
+    model and cache split as specs = (model's, cache's) say, the `inputs` other
+    arguments and `outputs` other results whole on every device."""
+    return jax.shard_map(step, mesh=mesh, in_specs=specs + (P(),) * inputs,
+                         out_specs=(specs[1],) + (P(),) * outputs)
+
+
 def rms_norm(h, weight):
     return h * jax.lax.rsqrt(jnp.mean(h * h, axis=-1, keepdims=True) + 1e-6) * weight
 
@@ -162,15 +224,19 @@ def matmul(a, w):
 
 def block_forward(block: Block, config: ModelConfig, h, kda_layer):
     """One block on h [B, N, D] f32: (h, cache). kda_layer(x, f_a, beta, gate) ->
-    (out [B, N, H, K] bf16, cache) runs its KDA layer on the bf16 projections."""
+    (out [B, N, H, K] bf16, cache) runs its KDA layer on the bf16 projections. With
+    config.tp_axis the block holds a device's heads and MLP columns (`shard_model`)."""
     B, N, _ = h.shape
     H = config.heads
+    total = (lambda y: y) if config.tp_axis is None else functools.partial(
+        jax.lax.psum, axis_name=config.tp_axis)  # the row-parallel partial sums
     a = rms_norm(h, block.norm)
     bf16 = lambda y, *shape: y.reshape(B, N, *shape).astype(jnp.bfloat16)
     out, cache = kda_layer(bf16(matmul(a, block.w_x), 3, H, K), bf16(matmul(a, block.w_fa), K),
                            bf16(matmul(a, block.w_beta), H), bf16(matmul(a, block.w_gate), H, K))
-    h = h + matmul(out.reshape(B, N, H * K).astype(jnp.float32), block.w_out)
-    h = h + matmul(jax.nn.silu(matmul(rms_norm(h, block.mlp_norm), block.w_up)), block.w_down)
+    h = h + total(matmul(out.reshape(B, N, H * K).astype(jnp.float32), block.w_out))
+    mlp = jax.nn.silu(matmul(rms_norm(h, block.mlp_norm), block.w_up))
+    h = h + total(matmul(mlp, block.w_down))
     return h, cache
 
 
@@ -314,10 +380,12 @@ def indices(live):
 class Engine:
     """The compiled prefill and decode step of a batch of `batch` rows and the cache they
     donate: one stacked `KdaCache` (layers=L), or with `layer_list` a list of L
-    per-layer ones beside per-layer weights. Prompts hold up to `max_prompt` tokens."""
+    per-layer ones beside per-layer weights. Prompts hold up to `max_prompt` tokens.
+    tp > 1: the stacked model and cache split over `tp` devices (`shard_model`), each
+    step a `jax.shard_map` (`tensor_parallel`)."""
 
     def __init__(self, model: Model, config: ModelConfig, batch: int, max_prompt: int,
-                 backend: str = "auto", layer_list: bool = False):
+                 backend: str = "auto", layer_list: bool = False, tp: int = 1):
         self.config, self.batch, self.width = config, batch, round_up(max_prompt)
         L, kda = config.layers, config.kda
         if layer_list:
@@ -325,18 +393,30 @@ class Engine:
             self.cache = [jax_kda.init_cache(kda, batch + 1, batch) for _ in range(L)]
         else:
             self.model, self.cache = model, jax_kda.init_cache(kda, batch + 1, batch, layers=L)
+        local = config if tp == 1 else shard_config(config, tp)
+        prefill = functools.partial(prefill_step, config=local)
+        decode = functools.partial(decode_step, config=local, backend=backend)
+        if tp > 1:
+            mesh = jax.make_mesh((tp,), (TP_AXIS,))
+            self.model = shard_model(self.model, mesh)
+            specs = model_specs(self.model), jax_kda.head_specs(self.cache, TP_AXIS)
+            self.cache = place(self.cache, specs[1], mesh)
+            prefill = tensor_parallel(prefill, mesh, specs, inputs=4, outputs=2)
+            decode = tensor_parallel(decode, mesh, specs, inputs=3, outputs=3)
         zeros = np.zeros(batch, np.int32)
         padding = indices(zeros > 0)
         tick = time.perf_counter()
-        self._prefill = jax.jit(functools.partial(prefill_step, config=config),
-                                donate_argnums=1).lower(
+        self._prefill = jax.jit(prefill, donate_argnums=1).lower(
             self.model, self.cache, padded([[]] * batch, self.width), zeros, *padding).compile()
         self.prefill_compile_s = time.perf_counter() - tick
         tick = time.perf_counter()
-        self._decode = jax.jit(functools.partial(decode_step, config=config, backend=backend),
-                               donate_argnums=1).lower(
+        self._decode = jax.jit(decode, donate_argnums=1).lower(
             self.model, self.cache, zeros, *padding).compile()
         self.decode_compile_s = time.perf_counter() - tick
+
+    def all_reduces(self) -> int:
+        """All-reduces in the compiled decode step (per step)."""
+        return len(re.findall(r" all-reduce(?:-start)?\(", self._decode.as_text()))
 
     def prefill(self, texts):
         """Prefills the rows whose token list in texts (one per row) is not empty, the
@@ -502,11 +582,15 @@ def parse_args(argv=None):
     parser.add_argument("--layer-list", action="store_true",
                         help="run the layers unstacked, for comparison: a Python list of "
                              "per-layer weights and caches, one fused_verify each")
+    parser.add_argument("--tp", type=int, default=1,
+                        help="devices the heads and projections are split over "
+                             "(Megatron-style tensor parallelism)")
     parser.add_argument("--seed", type=int, default=0, help="weights and prompts")
     parser.add_argument("--no-check", action="store_true",
                         help="skip the check against stock greedy decoding")
     args = parser.parse_args(argv)
-    for name in ("layers", "heads", "dim", "batch", "requests", "new_tokens", "max_prompt"):
+    for name in ("layers", "heads", "dim", "batch", "requests", "new_tokens", "max_prompt",
+                 "tp"):
         value = getattr(args, name)
         if value < 1:
             parser.error(f"--{name.replace('_', '-')}: expected >= 1, got {value}")
@@ -514,6 +598,19 @@ def parse_args(argv=None):
         parser.error(f"--vocab: expected >= 2, got {args.vocab}")
     if not 2 <= args.tokens <= 8:
         parser.error(f"--tokens: expected 2..8, got {args.tokens}")
+    if args.tp > 1:
+        if args.heads % args.tp or 2 * args.dim % args.tp:
+            parser.error(f"--tp: expected a divisor of --heads ({args.heads}) and of the MLP "
+                         f"width 2 x --dim ({2 * args.dim}), got {args.tp}")
+        if args.layer_list:
+            parser.error("--tp: runs the stacked layers, not --layer-list")
+        # on CPU, one device more than the mesh's: see the module's docstring
+        spare = int(jax.default_backend() == "cpu")
+        if jax.device_count() < args.tp + spare:
+            parser.error(f"--tp: expected at most {jax.device_count() - spare} with the "
+                         f"{jax.device_count()} {jax.default_backend()} devices present, got "
+                         f"{args.tp} (on CPU: XLA_FLAGS="
+                         f"--xla_force_host_platform_device_count={2 * args.tp})")
     return args
 
 
@@ -531,7 +628,7 @@ def main(argv=None) -> int:
     print(f"decode: T={config.tokens} (1 + {config.tokens - 1} drafts), batch {args.batch}, "
           f"{args.requests} requests of {args.new_tokens} new tokens, prompts of 1.."
           f"{args.max_prompt}; fused_verify backend {resolved} ({args.backend}) on "
-          f"{jax.devices()[0].device_kind}")
+          f"{args.tp} x {jax.devices()[0].device_kind}")
 
     model = init_model(args.seed, config)
     prompts = random_prompts(args.seed, args.requests, args.max_prompt, config.vocab)
@@ -543,9 +640,17 @@ def main(argv=None) -> int:
               f"{run.accepted / run.row_steps:.2f} accepted per request-step, "
               f"{made / (run.prefill_s + run.decode_s):.0f} tokens/s", flush=True)
 
-    engine = Engine(model, config, args.batch, args.max_prompt, args.backend, args.layer_list)
+    engine = Engine(model, config, args.batch, args.max_prompt, args.backend, args.layer_list,
+                    args.tp)
     print(f"compile: decode step {engine.decode_compile_s:.1f} s, prefill "
           f"{engine.prefill_compile_s:.1f} s (each once)", flush=True)
+    if args.tp > 1:
+        state = engine.cache.state
+        print(f"tensor parallel: {config.heads // args.tp} of {config.heads} heads on each of "
+              f"{len(state.sharding.device_set)} devices (cache state {state.shape} split "
+              f"{state.sharding.spec}); the decode step's all-reduces: "
+              f"{engine.all_reduces()} (one per KDA block and per MLP block, "
+              f"{config.layers} layers)", flush=True)
     run = speculative_decode(engine, prompts, args.new_tokens, progress)
     made, prompt_tokens = sum(map(len, run.tokens)), sum(map(len, prompts))
     total = run.prefill_s + run.decode_s

@@ -27,10 +27,12 @@ from jax_kda.pytrees import KdaCache, KdaParams, VerifyInputs
 
 verify_p = jax.extend.core.Primitive("jax_kda_verify")
 verify_p.multiple_results = True
+GATE = [op.name for op in operands.INPUTS].index("gate")
+OUT = [op.name for op in operands.OUTPUTS].index("out")
 
 
-def cutedsl_verify(params: KdaParams, cache: KdaCache, inputs: VerifyInputs,
-                   config: KdaConfig, layer=None):
+def cutedsl_verify(params: KdaParams, cache: KdaCache, inputs: VerifyInputs, layer=None, *,
+                   config: KdaConfig):
     """The fused CuTe DSL verify on checked arguments (`fused_verify` checks them):
     (out [B, T, H, K] bf16, cache). layer: the int32 layer of stacked params and
     cache, or None. config.split None picks the split with `kernel_split`."""
@@ -60,7 +62,12 @@ def _call(*arrays, kernel, present, outputs):
 
 @verify_p.def_abstract_eval
 def _abstract(*arrays, kernel, present, outputs):
-    return [jax.core.ShapedArray(o.shape, o.dtype) for o in outputs]
+    # Each output has the type (sharding and shard_map's varying axes too) of an operand
+    # of its shape and dtype: the cache that of the buffer it aliases, out [B, T, H, K]
+    # bf16 that of gate.
+    source = {o: i for i, o in _aliases(present).items()}
+    source[OUT] = sum(present[:GATE])
+    return [arrays[source[o]] for o in range(len(outputs))]
 
 
 def _aliases(present):

@@ -5,10 +5,12 @@ from jax_kda.config import K, KdaConfig
 from jax_kda.prefill import prefill
 from jax_kda.pytrees import (AWAITING, KdaCache, KdaParams, PrefillInputs, VerifyInputs,
                              init_cache)
+from jax_kda.sharding import head_specs, local_config, output_spec
 from jax_kda.validate import check_inputs
 from jax_kda.verify import fused_verify
 
 __all__ = [
     "AWAITING", "K", "KdaCache", "KdaConfig", "KdaParams", "PrefillInputs", "VerifyInputs",
-    "accept", "check_inputs", "flush", "fused_verify", "init_cache", "prefill",
+    "accept", "check_inputs", "flush", "fused_verify", "head_specs", "init_cache",
+    "local_config", "output_spec", "prefill",
 ]

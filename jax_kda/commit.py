@@ -17,6 +17,7 @@ import jax.numpy as jnp
 
 from jax_kda import chunked
 from jax_kda.config import CONV_TAPS, KdaConfig
+from jax_kda.partitioning import per_head
 from jax_kda.pytrees import KdaCache, KdaParams, kept
 from jax_kda.rows import (locate, read_history, read_replay, read_state, two_rows, write,
                           write_pending, write_state)
@@ -64,14 +65,19 @@ def flush(params: KdaParams, cache: KdaCache, slots, record_rows,
     the outputs of one without it, and the same state as of each accepted token (to FP32
     rounding). Call it inside the jitted step that donates the cache (or as
     `jax.jit(flush, static_argnames="config", donate_argnums=1)`) to update the rows in
-    place.
+    place. Head-sharded arrays: as `fused_verify`.
     """
     _, _, L = check_cache(cache, config)
     check_params(params, config, False if L is None else L)
     B = check_rows("slots", slots)
     check_rows("record_rows", record_rows, B)
+    return per_head(_flush_layers, config, params, cache, slots, record_rows)
+
+
+def _flush_layers(params, cache, slots, record_rows, *, config):
+    """`_flush` of one layer's params and cache, or of every layer of stacked ones."""
     one = functools.partial(_flush, slots=slots, record_rows=record_rows, config=config)
-    return one(params, cache) if L is None else jax.vmap(one)(params, cache)
+    return one(params, cache) if cache.state.ndim == 4 else jax.vmap(one)(params, cache)
 
 
 @functools.partial(jax.jit, static_argnames="config")

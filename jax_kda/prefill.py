@@ -19,6 +19,7 @@ import jax.numpy as jnp
 from jax_kda import chunked, prompt_chunks
 from jax_kda.config import CONV_TAPS, K, KdaConfig
 from jax_kda.layer import gated_rmsnorm
+from jax_kda.partitioning import per_head
 from jax_kda.pytrees import KdaCache, KdaParams, PrefillInputs
 from jax_kda.rows import (Replay, layer_of, locate, prepare_tokens, read_history,
                           read_replay, read_state, two_rows, write, write_pending)
@@ -98,7 +99,7 @@ def prompt_recurrence(state, replay: Replay, q, k, v, beta, d, *, lower_bound):
 
 
 @functools.partial(jax.jit, static_argnames="config")
-def _prefill(params, cache, inputs, config, layer):
+def _prefill(params, cache, inputs, layer, *, config):
     recurrence = functools.partial(prompt_recurrence, lower_bound=config.lower_bound)
     return run_prefill(params, cache, inputs, config, layer, recurrence)
 
@@ -125,7 +126,8 @@ def prefill(params: KdaParams, cache: KdaCache, inputs: PrefillInputs, config: K
       a new prompt shorter than three) and pending[record_row] is 0 (the kept records
       folded in); records and the rest of the window are left as they were. A prompt
       prefilled in pieces equals it prefilled at once within FP32 rounding. Inside
-      `jax.jit` with the cache donated, the buffers are updated in place.
+      `jax.jit` with the cache donated, the buffers are updated in place. Head-sharded
+      arrays: as `fused_verify`.
     """
     layer = check_prefill(params, cache, inputs, config, layer)
-    return _prefill(params, cache, inputs, config, layer)
+    return per_head(_prefill, config, params, cache, inputs, layer)

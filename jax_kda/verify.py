@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 
 from jax_kda.config import KdaConfig
+from jax_kda.partitioning import per_head
 from jax_kda.pytrees import KdaCache, KdaParams, VerifyInputs
 from jax_kda.validate import check_verify
 from jax_kda.xla import xla_verify
@@ -56,6 +57,10 @@ def fused_verify(params: KdaParams, cache: KdaCache, inputs: VerifyInputs,
     Shape, dtype and config errors raise at trace time. Out-of-range slots are padding
     rows (zero output, nothing read or written), out-of-range record rows keep no
     records, pending counts are clamped to [0, RQ]: see `check_inputs` to find them.
+
+    On arrays whose heads are split over a mesh axis (`head_specs`), each device runs
+    its own heads: under `jax.shard_map` call it with `local_config`, under plain
+    `jax.jit` with `config` (docs/design.md, "Sharding").
     """
     if backend not in BACKENDS:
         raise ValueError(f"backend: expected one of {BACKENDS}, got {backend!r}")
@@ -67,19 +72,18 @@ def fused_verify(params: KdaParams, cache: KdaCache, inputs: VerifyInputs,
 
 @functools.lru_cache(maxsize=None)
 def _folding(config: KdaConfig, backend: str):
-    """The backend's verify under `jax.vmap`: a mapped axis of the inputs folds into the
-    batch (the requests of every mapped instance share the cache, as in one call);
-    mapped params, cache or layer are refused."""
+    """The backend's verify, split by heads where they are sharded (`per_head`), and
+    under `jax.vmap`: a mapped axis of the inputs folds into the batch (the requests of
+    every mapped instance share the cache, as in one call); mapped params, cache or
+    layer are refused."""
     if backend == "jax":
-        verify = functools.partial(xla_verify, config=config)
+        verify = xla_verify
     else:
-        from jax_kda.ffi import cutedsl_verify  # the kernel and its custom call, lazily
-
-        verify = functools.partial(cutedsl_verify, config=config)
+        from jax_kda.ffi import cutedsl_verify as verify  # the kernel's custom call, lazily
 
     @jax.custom_batching.custom_vmap
     def run(params, cache, inputs, layer):
-        return verify(params, cache, inputs, layer=layer)
+        return per_head(verify, config, params, cache, inputs, layer)
 
     @run.def_vmap
     def fold(axis_size, in_batched, params, cache, inputs, layer):

@@ -20,8 +20,8 @@ def chunked_recurrence(state, replay, tokens):
 
 
 @functools.partial(jax.jit, static_argnames="config")
-def xla_verify(params: KdaParams, cache: KdaCache, inputs: VerifyInputs, config: KdaConfig,
-               layer=None):
+def xla_verify(params: KdaParams, cache: KdaCache, inputs: VerifyInputs, layer=None, *,
+               config: KdaConfig):
     """`fused_verify`'s "jax" backend on checked arguments: (out [B, T, H, K] bf16,
     cache). layer: the int32 layer of stacked params and cache, or None."""
     return verify_rows(params, cache, inputs, config, layer, chunked_recurrence)

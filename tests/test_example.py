@@ -1,8 +1,11 @@
 """The speculative-decoding example at a tiny size: its tokens equal plain greedy decoding
 with the stock per-token recurrence, its --layer-list path gives the same tokens as the
-stacked one, and its check notices a wrong token."""
+stacked one, its check notices a wrong token, and with --tp 2 (heads and projections
+split over two devices) its tokens are still plain greedy decoding's."""
 import importlib.util
+import os
 import pathlib
+import subprocess
 import sys
 
 import numpy as np
@@ -74,3 +77,22 @@ def test_check_finds_a_wrong_token(decoded):
         run.tokens[3][4] = token
     wrong = verdict.where[verdict.gap > example.TIE]
     assert wrong[:1].tolist() == [[3, 4]]
+
+
+def test_tensor_parallel_equals_stock_greedy():
+    """--tp 2 in a child process given four CPU devices (XLA fixes the count when JAX
+    starts; the example wants more than the two it splits over): the cache split by
+    heads, one all-reduce per KDA block and per MLP block, and every token plain greedy
+    decoding's (the example's own check; exit status 1 otherwise)."""
+    sizes = dict(vocab=64, dim=64, layers=2, heads=2, tokens=3, batch=2, requests=5,
+                 new_tokens=9, max_prompt=7, backend="jax", tp=2)
+    flags = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=4"
+    run = subprocess.run(
+        [sys.executable, str(EXAMPLE)]
+        + [f"--{k.replace('_', '-')}={v}" for k, v in sizes.items()],
+        env=dict(os.environ, XLA_FLAGS=flags.strip(), JAX_PLATFORMS="cpu"),
+        capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-4000:]
+    assert "tensor parallel: 1 of 2 heads on each of 2 devices" in run.stdout, run.stdout
+    assert "the decode step's all-reduces: 4 " in run.stdout, run.stdout
+    assert "check: OK" in run.stdout, run.stdout

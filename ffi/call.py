@@ -78,10 +78,16 @@ def _aliases(present):
 
 def _cuda_lowering(*arrays, kernel, present, outputs):
     compiled = compiled_call(kernel, present, tuple(jnp.dtype(a.dtype).name for a in arrays))
+    return launch_compiled(compiled, arrays, outputs, _aliases(present))
+
+
+def launch_compiled(compiled, arrays, outputs, aliases):
+    """The FFI call of a kernel that `get_or_compile_kernel` compiled, on `arrays`, with
+    `outputs` (ShapeDtypeStructs) and {operand: output} aliases."""
     from cutlass.jax.ffi import _register_and_get_default_ffi_call_target
 
     call = jax.ffi.ffi_call(_register_and_get_default_ffi_call_target(True),
-                            result_shape_dtypes=outputs, input_output_aliases=_aliases(present))
+                            result_shape_dtypes=outputs, input_output_aliases=aliases)
     return call(*arrays, module=compiled.module, key=compiled.fingerprint)
 
 
@@ -102,9 +108,6 @@ def compiled_call(kernel, present, dtypes):
     """The kernel compiled for the FFI call: B, S, R and L symbolic, so that one binary
     serves every batch, cache and layer count. present: which operands are there (the
     optional ones may not be); dtypes: the present operands' dtype names."""
-    from cutlass.jax.compile import Arg, FunctionSpec, get_or_compile_kernel
-    from cutlass.jax.types import default_tensor_spec
-
     B, S, R, L = jax.export.symbolic_shape("B, S, R, L")
     sizes = operands.sizes_of(kernel.config, B, S, R, L)
     inputs = [op for op, there in zip(operands.INPUTS, present) if there]
@@ -113,10 +116,23 @@ def compiled_call(kernel, present, dtypes):
                for op in inputs]
               + [jax.ShapeDtypeStruct(operands.shape(op, sizes, kernel.stacked),
                                       own.get(op.name, op.dtype)) for op in operands.OUTPUTS])
-    args = [Arg(i, s.shape, s.dtype, default_tensor_spec(s)) for i, s in enumerate(shaped)]
+    return compile_symbolic(kernel, shaped[:len(inputs)], shaped[len(inputs):], present,
+                            _aliases(present), compile_key=kernel)
+
+
+def compile_symbolic(kernel, inputs, outputs, present, aliases, compile_key):
+    """`kernel` (a CuTe DSL callable (stream, *inputs, *outputs)) compiled once for the
+    ShapeDtypeStructs `inputs` and `outputs`, whose shapes may be symbolic
+    (`jax.export.symbolic_shape`): one binary for every size of those dimensions.
+    present: which of the call's inputs are there (None-able ones may not be); aliases:
+    {input position among the present: output}, outputs written in place."""
+    from cutlass.jax.compile import Arg, FunctionSpec, get_or_compile_kernel
+    from cutlass.jax.types import default_tensor_spec
+
+    args = [Arg(i, s.shape, s.dtype, default_tensor_spec(s))
+            for i, s in enumerate(list(inputs) + list(outputs))]
     in_args, out_args = tuple(args[:len(inputs)]), tuple(args[len(inputs):])
     out_args = tuple(dataclasses.replace(a, idx=j) for j, a in enumerate(out_args))
-    aliases = _aliases(present)
     kernel_outputs = [j for j in range(len(out_args)) if j not in aliases.values()]
     spec = FunctionSpec(
         in_args=in_args,
@@ -127,4 +143,4 @@ def compiled_call(kernel, present, dtypes):
         input_spec=tuple(a.spec for a in in_args),
         output_spec=tuple(a.spec for a in out_args),
         compile_options=None, use_static_tensors=False, kwargs=())
-    return get_or_compile_kernel(kernel, spec, compile_key=kernel)
+    return get_or_compile_kernel(kernel, spec, compile_key=compile_key)

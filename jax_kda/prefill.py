@@ -25,6 +25,7 @@ from jax_kda.rows import (Replay, layer_of, locate, prepare_tokens, read_history
                           read_replay, read_state, two_rows, write, write_pending)
 from jax_kda.validate import (BF16, BOOL, check_cache, check_layer, check_params,
                               check_rows, expect, typed)
+from jax_kda.verify import BACKENDS, cutedsl_supported
 
 
 def check_prefill(params: KdaParams, cache: KdaCache, inputs: PrefillInputs,
@@ -91,21 +92,32 @@ def run_prefill(params: KdaParams, cache: KdaCache, inputs: PrefillInputs,
     )
 
 
-def prompt_recurrence(state, replay: Replay, q, k, v, beta, d, *, lower_bound):
+def prompt_recurrence(state, replay: Replay, q, k, v, beta, d, *, lower_bound, scan):
     """The kept records folded in closed form, then the prompt in chunks of dense
-    products (`prompt_chunks.recurrence`)."""
+    products (`prompt_chunks.recurrence`, its scan over chunks `scan`)."""
     state = chunked.replay(state, replay.u, replay.kn, replay.d)
-    return prompt_chunks.recurrence(state, q, k, v, beta, d, lower_bound=lower_bound)
+    return prompt_chunks.recurrence(state, q, k, v, beta, d, lower_bound=lower_bound,
+                                    scan=scan)
 
 
-@functools.partial(jax.jit, static_argnames="config")
-def _prefill(params, cache, inputs, layer, *, config):
-    recurrence = functools.partial(prompt_recurrence, lower_bound=config.lower_bound)
+@functools.partial(jax.jit, static_argnames=("config", "backend"))
+def _prefill(params, cache, inputs, layer, *, config, backend):
+    if backend == "jax":
+        scan = prompt_chunks.scan_chunks
+    else:
+        from jax_kda.ffi import cutedsl_chunk_states as scan  # the kernel's call, lazily
+    recurrence = functools.partial(prompt_recurrence, lower_bound=config.lower_bound,
+                                   scan=scan)
     return run_prefill(params, cache, inputs, config, layer, recurrence)
 
 
+def _scan_kernel_fits(config: KdaConfig) -> bool:
+    """Whether the chunk size suits the scan kernel (a multiple of 16 tokens)."""
+    return prompt_chunks.chunk_size(config.lower_bound) % 16 == 0
+
+
 def prefill(params: KdaParams, cache: KdaCache, inputs: PrefillInputs, config: KdaConfig,
-            *, layer=None):
+            *, backend: str = "auto", layer=None):
     """Runs the KDA layer over a batch of prompts, or pieces of prompts, and writes each
     request's cache.
 
@@ -116,6 +128,10 @@ def prefill(params: KdaParams, cache: KdaCache, inputs: PrefillInputs, config: K
       inputs: the prompts (`PrefillInputs`: x [B, P, 3, H, K] bf16, ..., lengths [B],
         resume [B] for the rows that continue a prompt from the cache).
       config: the static `KdaConfig` (its tokens only size the cache's records).
+      backend: where the scan over the prompt's chunks runs: "cutedsl" (a CuTe DSL
+        kernel, CUDA GPUs of compute capability >= 9.0, chunks of a multiple of 16
+        tokens), "jax" (XLA, any device) or "auto" (the kernel where it runs); the rest
+        of the layer is XLA's either way.
       layer: for stacked params and cache, the layer to run (a Python int or an int32
         scalar, e.g. traced in `lax.scan`); None for one layer's.
 
@@ -129,5 +145,14 @@ def prefill(params: KdaParams, cache: KdaCache, inputs: PrefillInputs, config: K
       `jax.jit` with the cache donated, the buffers are updated in place. Head-sharded
       arrays: as `fused_verify`.
     """
+    if backend not in BACKENDS:
+        raise ValueError(f"backend: expected one of {BACKENDS}, got {backend!r}")
     layer = check_prefill(params, cache, inputs, config, layer)
-    return per_head(_prefill, config, params, cache, inputs, layer)
+    if backend == "auto":
+        backend = "cutedsl" if cutedsl_supported() and _scan_kernel_fits(config) else "jax"
+    elif backend == "cutedsl" and not _scan_kernel_fits(config):
+        raise ValueError(f"backend='cutedsl': the prefill's chunks of "
+                         f"{prompt_chunks.chunk_size(config.lower_bound)} tokens (lower_bound "
+                         f"{config.lower_bound}) are not a multiple of 16; use backend='jax'")
+    return per_head(functools.partial(_prefill, backend=backend), config, params, cache,
+                    inputs, layer)

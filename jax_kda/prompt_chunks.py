@@ -10,8 +10,10 @@ decays, the stock recurrence over a chunk from its starting state S is
     o = (Gamma * q) S^T + Bm u,   S' = S diag(Gamma_C) + u^T (k * P(t, C))
 
 Everything but S is known before the chunks run, so the solve's two right-hand sides
-(v and Gamma * k) are solved for every chunk at once, and the scan over chunks carries
-only S through three products: u from S, o's inter-chunk part, the next S.
+(v and Gamma * k) are solved for every chunk at once, by each chunk's explicit inverse
+(`unit_lower_inverse`: matrix products, where a batched triangular solve of 64 rows ran
+at a few percent of the GPU's FP32 rate), and the scan over chunks carries only S
+through three products: u from S, o's inter-chunk part, the next S.
 
 P(s, t) is split around a reference token m as P(m, t) P(s, m), so that A and Bm are
 matrix products too: for t in sub-chunk i and s before it, m is the token before the
@@ -28,7 +30,6 @@ import math
 import jax
 import jax.numpy as jnp
 
-from jax_kda.chunked import solve_unit_lower
 from jax_kda.layer import HIGHEST, round_bf16
 
 CHUNK = 64  # tokens per chunk: the scan's steps are P / CHUNK
@@ -85,18 +86,79 @@ def pair_products(q, k, d, c):
     return jnp.where(s < t, A, 0.0), jnp.where(s <= t, Bm, 0.0)
 
 
+def diagonal_blocks(N, size):
+    """[..., C / size, size, size]: the diagonal blocks of N [..., C, C]."""
+    n = N.shape[-1] // size
+    blocks = N.reshape(N.shape[:-2] + (n, size, n, size))
+    return jnp.stack([blocks[..., i, :, i, :] for i in range(n)], axis=-3)
+
+
+def unit_lower_inverse(N):
+    """(I + N)^-1 for N [..., C, C] strictly lower triangular, C a power of two.
+
+    Blocks of up to SUBCHUNK rows by forward substitution (rows as arrays: one fusion,
+    and forward substitution's rounding), then blocks of twice the size from their
+    halves, [[A, 0], [G, D]]^-1 = [[A^-1, 0], [-D^-1 G A^-1, D^-1]]: blocked
+    substitution, whose intermediates stay the size of the inverse's entries (a product
+    of powers of N would not)."""
+    C = N.shape[-1]
+    size = min(SUBCHUNK, C)
+    blocks = diagonal_blocks(N, size)
+    eye = jnp.eye(size, dtype=N.dtype)
+    rows = []
+    for i in range(size):
+        row = jnp.broadcast_to(eye[i], blocks.shape[:-2] + (size,))
+        for j in range(i):
+            row = row - blocks[..., i, j, None] * rows[j]
+        rows.append(row)
+    inverse = jnp.stack(rows, axis=-2)  # [..., C / size, size, size]
+    while size < C:
+        pairs = inverse.reshape(inverse.shape[:-3] + (-1, 2, size, size))
+        first, second = pairs[..., 0, :, :], pairs[..., 1, :, :]
+        coupling = diagonal_blocks(N, 2 * size)[..., size:, :size]
+        below = -mm("...ts,...sr->...tr", second, mm("...ts,...sr->...tr", coupling, first))
+        inverse = jnp.concatenate([
+            jnp.concatenate([first, jnp.zeros_like(first)], axis=-1),
+            jnp.concatenate([below, second], axis=-1)], axis=-2)
+        size *= 2
+    return inverse.reshape(N.shape)
+
+
+def scan_chunks(state, u_v, w_k, gq, tail, decay, bm, *, unroll: int = 4):
+    """The chunks in order from `state`, in XLA: (state after them [B, H, K, K],
+    o [B, H, N, C, K] FP32) from u_v, w_k, gq, tail [B, H, N, C, K], decay [B, H, N, K]
+    and bm [B, H, N, C, C] (`recurrence`; the CuTe DSL kernel
+    `jax_kda.ffi.cutedsl_chunk_states` is its twin). unroll: scan steps per loop trip (a
+    GPU's while loop returns to the host every trip)."""
+
+    def step(S, operands):
+        u_v, w_k, gq, tail, decay = operands
+        u = u_v - mm("...tc,...rc->...tr", w_k, S)
+        inter = mm("...tc,...rc->...tr", gq, S)
+        S = S * decay[..., None, :] + mm("...tr,...tc->...rc", u, tail)
+        return S, (u, inter)
+
+    per_chunk = lambda a: jnp.moveaxis(a, 2, 0)  # the scan's leading axis
+    N = w_k.shape[2]
+    state, (u, inter) = jax.lax.scan(step, state, tuple(map(per_chunk, (u_v, w_k, gq, tail,
+                                                                         decay))),
+                                     unroll=max(1, min(unroll, N)))
+    u, inter = jnp.moveaxis(u, 0, 2), jnp.moveaxis(inter, 0, 2)
+    return state, inter + mm("...ts,...sr->...tr", bm, u)
+
+
 def recurrence(state, q, k, v, beta, d, *, lower_bound: float, chunk: int | None = None,
-               unroll: int = 4):
+               scan=scan_chunks):
     """The prompt from `state`: (state after it [B, H, K, K], o [B, H, P, K] bf16 values).
 
     q, k, v, d: [B, H, P, K]; beta: [B, H, P]. Tokens past a prompt are identities
     (d = 1, beta = 0). lower_bound: the config's (every log decay lies in
     [lower_bound, 0]); chunk: tokens per scan step (default CHUNK, at most 8 sub-chunks:
-    the pair products' graph grows with their count); unroll: scan steps per loop trip
-    (a GPU's while loop returns to the host every trip)."""
+    the pair products' graph grows with their count); scan: `scan_chunks` or its
+    kernel."""
     B, H, P = beta.shape
     K = k.shape[-1]
-    chunk = chunk or min(CHUNK, 8 * subchunk(lower_bound))
+    chunk = chunk or chunk_size(lower_bound)
     pad = -P % chunk
     N = (P + pad) // chunk
     widths = lambda a: ((0, 0), (0, 0), (0, pad)) + ((0, 0),) * (a.ndim - 3)
@@ -109,20 +171,13 @@ def recurrence(state, q, k, v, beta, d, *, lower_bound: float, chunk: int | None
     gamma = jax.lax.cumprod(d, axis=3)  # prod_{r<=t} d_r
     # u = u_v - w_k S^T, both solved for every chunk at once
     rhs = beta[..., None] * jnp.concatenate([v, gamma * k], axis=-1)
-    solved = solve_unit_lower(beta[..., None] * A, rhs)
-    u_v, w_k = solved[..., :K], solved[..., K:]
+    solved = mm("...ts,...sr->...tr", unit_lower_inverse(beta[..., None] * A), rhs)
     tail = k * suffix_products(d)  # k_t prod_{r>t} d_r
-    per_chunk = lambda a: jnp.moveaxis(a, 2, 0)  # the scan's leading axis
-
-    def step(S, chunk_operands):
-        u_v, w_k, gq, tail, decay_c = chunk_operands
-        u = u_v - mm("...tc,...rc->...tr", w_k, S)
-        inter = mm("...tc,...rc->...tr", gq, S)
-        S = S * decay_c[..., None, :] + mm("...tr,...tc->...rc", u, tail)
-        return S, (u, inter)
-
-    operands = tuple(map(per_chunk, (u_v, w_k, gamma * q, tail, gamma[..., -1, :])))
-    state, (u, inter) = jax.lax.scan(step, state, operands, unroll=max(1, min(unroll, N)))
-    u, inter = jnp.moveaxis(u, 0, 2), jnp.moveaxis(inter, 0, 2)
-    o = inter + mm("...ts,...sr->...tr", Bm, u)
+    state, o = scan(state, solved[..., :K], solved[..., K:], gamma * q, tail,
+                    gamma[..., -1, :], Bm)
     return state, round_bf16(o).reshape(B, H, N * chunk, K)[:, :, :P]
+
+
+def chunk_size(lower_bound: float) -> int:
+    """Tokens per chunk: CHUNK, or 8 sub-chunks where the decays are steep."""
+    return min(CHUNK, 8 * subchunk(lower_bound))

@@ -3,7 +3,8 @@ CUDA with jax.export (CuTe DSL compiles the kernel for sm_90a during lowering) a
 the cache buffers in place, compiles once per kernel configuration whatever the batch,
 cache and layer counts (symbolic B too), and raises a clear error where it cannot run;
 the operand table is the kernel's and the docs'; configurations compile without spills;
-the launch heuristics; the eager entry point's argument errors.
+the launch heuristics; the eager entry point's argument errors; the prefill's chunk kernel
+lowered for CUDA, once for every prompt shape.
 """
 import dataclasses
 import functools
@@ -20,7 +21,7 @@ pytest.importorskip("cutlass", reason="needs nvidia-cutlass-dsl")
 
 from jax import export  # noqa: E402
 
-from jax_kda import KdaConfig, fused_verify, operands  # noqa: E402
+from jax_kda import KdaConfig, PrefillInputs, fused_verify, operands, prefill  # noqa: E402
 from jax_kda.ffi import choose_split, eager_verify, kernel_split, solo_ctas  # noqa: E402
 from jax_kda.testing import random_cache, random_inputs, random_params  # noqa: E402
 
@@ -178,6 +179,50 @@ def test_compiles_without_spills():
 
     assert main(["--arch", "sm_90a", "--heads", "2", "--only", "2,0,1", "--only", "8,1,8",
                  "--jobs", "1"]) == 0
+
+
+def zero_prompts(B, P, H):
+    """PrefillInputs of B whole prompts of P tokens at slots 1..B (their shapes matter)."""
+    bf16 = lambda *shape: jnp.zeros(shape, jnp.bfloat16)
+    return PrefillInputs(x=bf16(B, P, 3, H, 128), f_a=bf16(B, P, 128), beta=bf16(B, P, H),
+                         gate=bf16(B, P, H, 128), lengths=jnp.full((B,), P, jnp.int32),
+                         slots=jnp.arange(1, B + 1, dtype=jnp.int32),
+                         record_rows=jnp.arange(B, dtype=jnp.int32))
+
+
+@pytest.mark.parametrize("lower_bound,chunk", [(-5.0, 64), (-15.0, 32), (-30.0, 16)])
+def test_prefill_backends_lower_as_asked(lower_bound, chunk):
+    """backend='cutedsl' lowers the prefill's scan over chunks to one CuTe DSL custom call
+    on [B, H, N, chunk, K] operands, with no loop left in the program; backend='jax' to
+    XLA's while loop, with no custom call."""
+    config = KdaConfig(heads=2, tokens=4, lower_bound=lower_bound)
+    _, cache, _ = example(config)
+    params = random_params(jax.random.key(0), config)
+    B, P = 2, 300  # 5 chunks or more: XLA's scan keeps its loop
+    inputs = zero_prompts(B, P, config.heads)
+    texts = {backend: exported(functools.partial(prefill, config=config, backend=backend),
+                               *map(shapes, (params, cache, inputs))).mlir_module()
+             for backend in ("cutedsl", "jax")}
+    calls = re.findall(rf"custom_call @{TARGET}\((.*?)\) \{{", texts["cutedsl"])
+    assert len(calls) == 1 and "stablehlo.while" not in texts["cutedsl"]
+    N = -(-P // chunk)
+    assert f"tensor<{B}x2x{N}x{chunk}x128xf32>" in texts["cutedsl"].split(
+        f"custom_call @{TARGET}")[1].split("\n")[0]
+    assert "stablehlo.custom_call" not in texts["jax"] and "stablehlo.while" in texts["jax"]
+
+
+def test_chunk_kernel_compiles_once_for_every_prompt():
+    """Prompts of other batch sizes and lengths (chunk counts) share the chunk kernel's
+    binary."""
+    config = KdaConfig(heads=2, tokens=4)
+    _, cache, _ = example(config)
+    params = random_params(jax.random.key(0), config)
+    found = []
+    for B, P in ((2, 300), (3, 1000)):
+        inputs = zero_prompts(B, P, config.heads)
+        found += modules(exported(functools.partial(prefill, config=config, backend="cutedsl"),
+                                  *map(shapes, (params, cache, inputs))).mlir_module())
+    assert len(found) == 2 and found[0] == found[1]
 
 
 def test_timeline_build_compiles():

@@ -222,3 +222,20 @@ def test_prefill_rejects_bad_arguments(field, value, error, match, draw):
         inputs = PrefillInputs(**{**vars(inputs), field: value})
     with pytest.raises(error, match=match):
         prefill(params, cache, inputs, config)
+
+
+@pytest.mark.parametrize("backend,lower_bound,match", [
+    ("xla", -5.0, r"^backend: expected one of \('auto', 'jax', 'cutedsl'\), got 'xla'$"),
+    ("cutedsl", -50.0, r"chunks of 8 tokens \(lower_bound -50.0\) are not a multiple of 16"),
+    ("cutedsl", -5.0, r"runs on CUDA GPUs .* lowered for \('cpu',\)"),
+], ids=["unknown", "chunk-of-8", "not-cuda"])
+def test_prefill_rejects_a_backend_it_cannot_run(backend, lower_bound, match, draw):
+    """A backend that does not exist, the chunk kernel at chunks it does not take (steep
+    decays), and the chunk kernel lowered for the CPU: each a clear ValueError."""
+    config = KdaConfig(heads=HEADS, tokens=4, lower_bound=lower_bound)
+    params = draw.params(draw.key(3), config)
+    cache = draw.cache(draw.key(4), config, NUM_SLOTS, NUM_RECORDS)
+    inputs = random_prompts(np.random.default_rng(3), config, [5, 2], [1, 2], [0, 1], 5)
+    cpu = jax.devices("cpu")[0]
+    with pytest.raises(ValueError, match=match), jax.default_device(cpu):
+        prefill(*jax.device_put((params, cache, inputs), cpu), config, backend=backend)

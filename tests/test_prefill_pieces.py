@@ -3,6 +3,7 @@ the same prompt at once and against the float64 NumPy model; a piece that resume
 request after verifies (its kept records folded in) against the model and against a
 flush first; a 16k-token prompt's checkpoint against the stock per-token scan."""
 import dataclasses
+import functools
 
 import numpy as np
 import jax
@@ -13,6 +14,7 @@ import numpy_model
 from compare import assert_out_close, assert_same_bits, assert_scaled_close
 from jax_kda import KdaConfig, PrefillInputs, flush, prefill
 from jax_kda.ref import stock_prefill
+from jax_kda.verify import cutedsl_supported
 from poison import poison
 
 # Units of compare.py. OUT: a few bf16 ulps of a row's scale (an o_t or SiLU rounding
@@ -22,7 +24,14 @@ from poison import poison
 # entry by a bf16 ulp, 2^-8 of it, and the state by at most that of its scale.
 OUT, STATE, MODEL_STATE = 4 * 2**-8, 1e-5, 2**-8
 NUM_SLOTS, NUM_RECORDS, HEADS = 9, 7, 2
-IMPLEMENTATIONS = {"xla": prefill, "stock": jax.jit(stock_prefill, static_argnames="config")}
+IMPLEMENTATIONS = {"xla": functools.partial(prefill, backend="jax"),
+                   "kernel": functools.partial(prefill, backend="cutedsl"),
+                   "stock": jax.jit(stock_prefill, static_argnames="config")}
+# the chunk kernel's backend where it runs (a Hopper GPU), the XLA scan and the stock scan
+NAMES = ["xla", pytest.param("kernel", marks=[
+    pytest.mark.gpu, pytest.mark.skipif(not cutedsl_supported(),
+                                        reason="needs a CUDA GPU of compute capability >= 9.0")]),
+         "stock"]
 FIELDS = ("x", "f_a", "beta", "gate")
 
 
@@ -50,7 +59,7 @@ def piece(prompt, starts, lengths, width, slots, rows, resume):
                          resume=jnp.asarray(resume, bool))
 
 
-@pytest.mark.parametrize("name", list(IMPLEMENTATIONS))
+@pytest.mark.parametrize("name", NAMES)
 def test_pieces_equal_the_whole_prompt(name, draw):
     """Prompts of 150, 5, 0 and 97 tokens (and a padding row) in three pieces of up to 64
     tokens, each request's pieces of its own lengths (some empty, one of fewer than the
@@ -96,7 +105,7 @@ def test_pieces_equal_the_whole_prompt(name, draw):
         assert_same_bits(getattr(pieces_cache, field), getattr(expected, field), field)
 
 
-@pytest.mark.parametrize("name", list(IMPLEMENTATIONS))
+@pytest.mark.parametrize("name", NAMES)
 def test_resume_folds_the_kept_records(name, draw):
     """A piece resuming requests whose record rows keep 1..T accepted tokens (and one
     awaiting its accept, which keeps none): the kept records folded into the checkpoint,
@@ -133,7 +142,8 @@ def test_resume_folds_the_kept_records(name, draw):
     assert_same_bits(new_flushed.conv[slots], new.conv[slots], "conv")
 
 
-def test_long_prompt_checkpoint_matches_the_stock_scan(draw):
+@pytest.mark.parametrize("name", NAMES[:2])
+def test_long_prompt_checkpoint_matches_the_stock_scan(name, draw):
     """16384 tokens at once: the chunked checkpoint within 1e-4 of the stock scan's
     (relative to its largest entry: FP32 roundings in another order over 16k tokens of
     a contracting recurrence), the outputs within the bf16 tolerance."""
@@ -143,7 +153,7 @@ def test_long_prompt_checkpoint_matches_the_stock_scan(draw):
     cache = draw.cache(draw.key(62), config, 3, 2)
     inputs = piece(random_prompt(np.random.default_rng(61), config, 1, P), [0], [P], P,
                    [1], [0], [False])
-    out, new = prefill(params, cache, inputs, config)
+    out, new = IMPLEMENTATIONS[name](params, cache, inputs, config)
     out_stock, stock = IMPLEMENTATIONS["stock"](params, cache, inputs, config)
     assert_scaled_close(new.state[1], stock.state[1], 1e-4, "state")
     assert_out_close(np.asarray(out, np.float32), np.asarray(out_stock, np.float32), OUT)

@@ -4,7 +4,8 @@
 (the custom call launches it under JAX, `jax_kda.ffi.call`); `compile_verify(...)`
 compiles it ahead of time for any batch, slot, record and layer count (symbolic B, S,
 R, L), as the eager DLPack path and the compile table (`python -m jax_kda.kernels`)
-use it.
+use it. `compile_chunk_states(chunk)` does the same for the prefill's scan over chunks
+(`jax_kda.kernels.chunk_states`; symbolic B, H and chunk count).
 """
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ except ImportError as error:  # pragma: no cover - depends on the environment
 
 from jax_kda import operands
 from jax_kda.config import KdaConfig
+from jax_kda.kernels.chunk_states import ChunkStates
 from jax_kda.kernels.fused import STAMPS, FusedVerify
 
 DTYPES = {"float32": cutlass.Float32, "bfloat16": cutlass.BFloat16, "int32": cutlass.Int32,
@@ -68,3 +70,16 @@ def compile_kernel(kernel: FusedVerify, conv_dtype: str, norm_dtype: str, option
         fakes.append(make_fake_compact_tensor(cutlass.Int64, (cute.sym_int(), STAMPS),
                                               stride_order=(1, 0), assumed_align=16))
     return cute.compile(kernel, make_fake_stream(), *fakes, options=options)
+
+
+def compile_chunk_states(chunk: int, options: str = ""):
+    """`ChunkStates(chunk)` compiled for symbolic B, H and N: call it as (stream, u_v,
+    w_k, gq, tail, decay, bm, state, o, state_out) (`ChunkStates`' shapes)."""
+    B, H, N = (cute.sym_int() for _ in range(3))
+    shapes = [(B, H, N, chunk, 128)] * 4 + [(B, H, N, 128), (B, H, N, chunk, chunk),
+                                            (B, H, 128, 128), (B, H, N, chunk, 128),
+                                            (B, H, 128, 128)]
+    fakes = [make_fake_compact_tensor(cutlass.Float32, shape,
+                                      stride_order=tuple(reversed(range(len(shape)))),
+                                      assumed_align=16) for shape in shapes]
+    return cute.compile(ChunkStates(chunk), make_fake_stream(), *fakes, options=options)

@@ -1,5 +1,6 @@
 """Compile the fused verify kernel for every configuration (no GPU needed) and print a
-table: registers per thread, spill (local memory) bytes, shared memory, compile seconds.
+table: registers per thread, spill (local memory) bytes, shared memory, compile seconds;
+then the prefill's chunk kernel for each chunk size it runs (16, 32, 64 tokens).
 
     python -m jax_kda.kernels --arch sm_90a [--subset] [--jobs N]
 
@@ -73,20 +74,34 @@ def compile_one(arch, heads, c):
 
     config = KdaConfig(heads=heads, tokens=c["tokens"], gate_mode=c["gate_mode"],
                        checkpoint_every=c["checkpoint_every"])
+    return (c, *measured(lambda: compile_verify(
+        config, c["split"], c["has_bias"], c["conv_dtype"], c["norm_dtype"],
+        options="remarks{ptx}", stacked=c["stacked"])))
+
+
+def compile_chunk_kernel(arch, chunk):
+    """The chunk kernel's row: (chunk, regs, local bytes, smem, seconds, status)."""
+    os.environ["CUTE_DSL_ARCH"] = arch
+    from jax_kda.kernels import compile_chunk_states
+
+    return (chunk, *measured(lambda: compile_chunk_states(chunk, options="remarks{ptx}")))
+
+
+def measured(compile):
+    """(regs, local bytes, smem, seconds, status) of compile(), a compile with ptxas'
+    report on."""
     report = io.StringIO()
     start = time.perf_counter()
     try:
         with contextlib.redirect_stderr(report):
-            compiled = compile_verify(config, c["split"], c["has_bias"], c["conv_dtype"],
-                                      c["norm_dtype"], options="remarks{ptx}",
-                                      stacked=c["stacked"])
+            compiled = compile()
         regs, local = ptxas_usage(report.getvalue())
         smem = launch_smem_bytes(compiled)
         status = "ok" if local == 0 else "SPILLS" if local else "NO REPORT"
     except Exception as error:  # noqa: BLE001 - the DSL raises its own classes
         regs = local = smem = None
         status = f"FAILED: {type(error).__name__}: {str(error).splitlines()[0][:80]}"
-    return c, regs, local, smem, time.perf_counter() - start, status
+    return regs, local, smem, time.perf_counter() - start, status
 
 
 def main(argv=None):
@@ -115,6 +130,13 @@ def main(argv=None):
                   f"{str(c['stacked']):>5} {c['checkpoint_every']:>5} {regs!s:>4} "
                   f"{local!s:>5} {smem!s:>6} "
                   f"{seconds:5.1f}  {status}", flush=True)
+    if not args.only:
+        with concurrent.futures.ProcessPoolExecutor(max(1, min(args.jobs, 3))) as pool:
+            for chunk, regs, local, smem, seconds, status in pool.map(
+                    compile_chunk_kernel, [args.arch] * 3, (16, 32, 64)):
+                failed += status != "ok"
+                print(f"prefill chunk kernel, chunk {chunk:>2}: regs {regs} local {local} "
+                      f"smem {smem} {seconds:5.1f} s  {status}", flush=True)
     print(f"{failed} configurations failed or spilled" if failed else "all compiled, no spills")
     return 1 if failed else 0
 

@@ -30,7 +30,7 @@ from jax_kda.pytrees import AWAITING
 from jax_kda.kernels.primitives import (RN, aligned, bulk_copy, cp_async_16, decays,
                                         divided_by_roots, exp, load_i32s, load_if,
                                         load_vec, load_words, mma_bf16, prefetch_line_l2,
-                                        push_f32, round_bf16, sigmoids, silus_bf16,
+                                        push_f32, round_bf16, row_major, sigmoids, silus_bf16,
                                         store_f32x4_if, store_vec, transpose_sum,
                                         tree_sum, warp_totals, wide)
 
@@ -96,10 +96,6 @@ def pair_index(T, t, s, kind):
     if kind == "A":
         return t * (t - 1) // 2 + s
     return T * (T - 1) // 2 + t * (t + 1) // 2 + s
-
-
-def row_major(*shape):
-    return cute.make_ordered_layout(shape, order=tuple(reversed(range(len(shape)))))
 
 
 def footprint(buffers):

@@ -26,6 +26,11 @@ def aligned(ptr, offset, align):
     return cute.make_ptr(ptr.dtype, (ptr + offset).toint(), ptr.memspace, assumed_align=align)
 
 
+def row_major(*shape):
+    """The row-major layout of `shape` (the last index fastest)."""
+    return cute.make_ordered_layout(shape, order=tuple(reversed(range(len(shape)))))
+
+
 def load_vec(ptr, offset, width):
     """`width` consecutive elements from `ptr + offset`, one vector load (16 B aligned)."""
     view = cute.make_tensor(aligned(ptr, offset, width * ptr.dtype.width // 8),
@@ -39,6 +44,11 @@ def store_vec(ptr, offset, values):
     view = cute.make_tensor(aligned(ptr, offset, width * ptr.dtype.width // 8),
                             cute.make_layout(width))
     view.store(values)
+
+
+def store_f32(ptr, offset, value):
+    """One Float32 to `ptr + offset`."""
+    cute.make_tensor(aligned(ptr, offset, 4), cute.make_layout(1))[0] = value
 
 
 def load_words(ptr, offset, count):

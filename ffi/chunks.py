@@ -12,7 +12,6 @@ import jax.extend
 import jax.numpy as jnp
 from jax.interpreters import mlir
 
-from jax_kda.config import K
 from jax_kda.ffi.call import compile_symbolic, launch_compiled
 
 chunk_states_p = jax.extend.core.Primitive("jax_kda_chunk_states")
@@ -57,10 +56,8 @@ def _compiled(chunk):
     """ChunkStates(chunk) compiled for symbolic B, H and N."""
     from jax_kda.kernels.chunk_states import ChunkStates
 
-    B, H, N = jax.export.symbolic_shape("B, H, N")
-    f32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.float32)
-    tokens = f32(B, H, N, chunk, K)
-    inputs = (tokens, tokens, tokens, tokens, f32(B, H, N, K), f32(B, H, N, chunk, chunk),
-              f32(B, H, K, K))
-    return compile_symbolic(ChunkStates(chunk), inputs, (tokens, f32(B, H, K, K)),
-                            (True,) * len(inputs), {}, compile_key=("chunk_states", chunk))
+    kernel = ChunkStates(chunk)
+    inputs, outputs = (tuple(jax.ShapeDtypeStruct(shape, jnp.float32) for shape in shapes)
+                       for shapes in kernel.shapes(*jax.export.symbolic_shape("B, H, N")))
+    return compile_symbolic(kernel, inputs, outputs, (True,) * len(inputs), {},
+                            compile_key=("chunk_states", chunk))

@@ -74,12 +74,10 @@ def compile_kernel(kernel: FusedVerify, conv_dtype: str, norm_dtype: str, option
 
 def compile_chunk_states(chunk: int, options: str = ""):
     """`ChunkStates(chunk)` compiled for symbolic B, H and N: call it as (stream, u_v,
-    w_k, gq, tail, decay, bm, state, o, state_out) (`ChunkStates`' shapes)."""
-    B, H, N = (cute.sym_int() for _ in range(3))
-    shapes = [(B, H, N, chunk, 128)] * 4 + [(B, H, N, 128), (B, H, N, chunk, chunk),
-                                            (B, H, 128, 128), (B, H, N, chunk, 128),
-                                            (B, H, 128, 128)]
+    w_k, gq, tail, decay, bm, state, o, state_out) (`ChunkStates.shapes`)."""
+    kernel = ChunkStates(chunk)
+    inputs, outputs = kernel.shapes(*(cute.sym_int() for _ in range(3)))
     fakes = [make_fake_compact_tensor(cutlass.Float32, shape,
                                       stride_order=tuple(reversed(range(len(shape)))),
-                                      assumed_align=16) for shape in shapes]
-    return cute.compile(ChunkStates(chunk), make_fake_stream(), *fakes, options=options)
+                                      assumed_align=16) for shape in inputs + outputs]
+    return cute.compile(kernel, make_fake_stream(), *fakes, options=options)

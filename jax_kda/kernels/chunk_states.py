@@ -34,14 +34,21 @@ TILE = 4  # tokens and rows per thread of a side's [C, R] products: [C / 16 x 4]
 
 class ChunkStates:
     """The kernel for chunks of C tokens (a multiple of 16, at most 64); `__call__`
-    launches it on a stream with (u_v, w_k, gq, tail [B, H, N, C, K], decay [B, H, N, K],
-    bm [B, H, N, C, C], state [B, H, K, K]; o [B, H, N, C, K], state_out [B, H, K, K]),
-    all FP32 and row-major."""
+    launches it on a stream with the inputs, then the outputs, of `shapes`."""
 
     def __init__(self, chunk: int):
         if chunk % 16 or not 16 <= chunk <= 64:
             raise ValueError(f"chunk: expected a multiple of 16 in [16, 64], got {chunk}")
         self.chunk = chunk
+
+    def shapes(self, B, H, N):
+        """The operands for B requests, H heads and N chunks, all FP32 and row-major:
+        (inputs u_v, w_k, gq, tail [B, H, N, C, K], decay [B, H, N, K], bm
+        [B, H, N, C, C], state [B, H, K, K]; outputs o [B, H, N, C, K], state_out
+        [B, H, K, K])."""
+        tokens, state = (B, H, N, self.chunk, K), (B, H, K, K)
+        return ([tokens] * 4 + [(B, H, N, K), (B, H, N, self.chunk, self.chunk), state],
+                [tokens, state])
 
     def buffers(self):
         """The CTA's shared buffers, in allocation order: name -> shape (FP32); tokens

@@ -23,6 +23,8 @@ def cutedsl_chunk_states(state, u_v, w_k, gq, tail, decay, bm):
     operands of `jax_kda.prompt_chunks.recurrence` (u_v, w_k, gq, tail [B, H, N, C, K],
     decay [B, H, N, K], bm [B, H, N, C, C]) and the starting state, all FP32: the twin
     of `jax_kda.prompt_chunks.scan_chunks`."""
+    if 0 in w_k.shape[:3]:  # no request or no chunk: nothing to launch
+        return state, jnp.zeros(w_k.shape, jnp.float32)
     o, state = chunk_states_p.bind(u_v, w_k, gq, tail, decay, bm, state)
     return state, o
 

@@ -113,7 +113,7 @@ def unit_lower_inverse(N):
         rows.append(row)
     inverse = jnp.stack(rows, axis=-2)  # [..., C / size, size, size]
     while size < C:
-        pairs = inverse.reshape(inverse.shape[:-3] + (-1, 2, size, size))
+        pairs = inverse.reshape(inverse.shape[:-3] + (inverse.shape[-3] // 2, 2, size, size))
         first, second = pairs[..., 0, :, :], pairs[..., 1, :, :]
         coupling = diagonal_blocks(N, 2 * size)[..., size:, :size]
         below = -mm("...ts,...sr->...tr", second, mm("...ts,...sr->...tr", coupling, first))

@@ -209,6 +209,10 @@ def test_prefill_backends_lower_as_asked(lower_bound, chunk):
     assert f"tensor<{B}x2x{N}x{chunk}x128xf32>" in texts["cutedsl"].split(
         f"custom_call @{TARGET}")[1].split("\n")[0]
     assert "stablehlo.custom_call" not in texts["jax"] and "stablehlo.while" in texts["jax"]
+    for B, P in ((2, 0), (0, 300)):  # nothing to launch: no kernel, whatever the backend
+        empty = exported(functools.partial(prefill, config=config, backend="cutedsl"),
+                         *map(shapes, (params, cache, zero_prompts(B, P, config.heads))))
+        assert "stablehlo.custom_call" not in empty.mlir_module()
 
 
 def test_chunk_kernel_compiles_once_for_every_prompt():

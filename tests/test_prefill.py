@@ -224,6 +224,23 @@ def test_prefill_rejects_bad_arguments(field, value, error, match, draw):
         prefill(params, cache, inputs, config)
 
 
+@pytest.mark.parametrize("width,slots", [(0, [2, 4]), (6, [])], ids=["no-tokens", "no-rows"])
+def test_empty_prompts_and_batches(width, slots, draw):
+    """Prompts of no tokens (each row a new prompt of length 0: the state and window
+    zeroed, pending 0) and a batch of no rows (nothing changes), as the model has them."""
+    config = KdaConfig(heads=HEADS, tokens=4)
+    params = draw.params(draw.key(33), config)
+    cache = poisoned(draw.cache(draw.key(34), config, NUM_SLOTS, NUM_RECORDS))
+    inputs = random_prompts(np.random.default_rng(33), config, [0] * len(slots), slots,
+                            list(range(len(slots))), width)
+    out, new = prefill(params, cache, inputs, config)
+    expected_out, expected = numpy_model.prefill(params, cache, inputs, config)
+    assert out.shape == (len(slots), width, HEADS, 128)
+    assert_close("out", out, expected_out)
+    for field in ("state", "conv", "corrections", "key_gates", "pending"):
+        assert_same_bits(getattr(new, field), getattr(expected, field), field)
+
+
 @pytest.mark.parametrize("backend,lower_bound,match", [
     ("xla", -5.0, r"^backend: expected one of \('auto', 'jax', 'cutedsl'\), got 'xla'$"),
     ("cutedsl", -50.0, r"chunks of 8 tokens \(lower_bound -50.0\) are not a multiple of 16"),

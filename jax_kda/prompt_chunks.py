@@ -11,9 +11,9 @@ decays, the stock recurrence over a chunk from its starting state S is
 
 Everything but S is known before the chunks run, so the solve's two right-hand sides
 (v and Gamma * k) are solved for every chunk at once, by each chunk's explicit inverse
-(`unit_lower_inverse`: matrix products, where a batched triangular solve of 64 rows ran
-at a few percent of the GPU's FP32 rate), and the scan over chunks carries only S
-through three products: u from S, o's inter-chunk part, the next S.
+(`unit_lower_inverse`: matrix products rather than a batched triangular solve, see
+docs/performance.md), and the scan over chunks carries only S through three products:
+u from S, o's inter-chunk part, the next S (`scan_chunks`, or its CuTe DSL twin).
 
 P(s, t) is split around a reference token m as P(m, t) P(s, m), so that A and Bm are
 matrix products too: for t in sub-chunk i and s before it, m is the token before the
@@ -96,8 +96,8 @@ def diagonal_blocks(N, size):
 def unit_lower_inverse(N):
     """(I + N)^-1 for N [..., C, C] strictly lower triangular, C a power of two.
 
-    Blocks of up to SUBCHUNK rows by forward substitution (rows as arrays: one fusion,
-    and forward substitution's rounding), then blocks of twice the size from their
+    Blocks of up to SUBCHUNK rows by forward substitution (each row an expression of
+    the rows above it, for all blocks at once), then blocks of twice the size from their
     halves, [[A, 0], [G, D]]^-1 = [[A^-1, 0], [-D^-1 G A^-1, D^-1]]: blocked
     substitution, whose intermediates stay the size of the inverse's entries (a product
     of powers of N would not)."""

@@ -91,16 +91,22 @@ def launch_compiled(compiled, arrays, outputs, aliases):
     return call(*arrays, module=compiled.module, key=compiled.fingerprint)
 
 
-def _other_lowering(ctx, *arrays, kernel, present, outputs):
-    raise ValueError(
-        f"backend='cutedsl': the CuTe DSL kernel runs on CUDA GPUs of compute capability "
-        f">= 9.0, and this program is lowered for {ctx.module_context.platforms}; use "
-        f"backend='auto' or backend='jax'")
+def register_cuda_lowering(primitive, cuda_lowering, call):
+    """`cuda_lowering` (a function of the operands and params, as `mlir.lower_fun` takes
+    it) for CUDA, and on every other platform a ValueError that names `call`."""
+
+    def other_lowering(ctx, *arrays, **params):
+        raise ValueError(
+            f"{call} backend='cutedsl': the CuTe DSL kernel runs on CUDA GPUs of compute "
+            f"capability >= 9.0, and this program is lowered for "
+            f"{ctx.module_context.platforms}; use backend='auto' or backend='jax'")
+
+    mlir.register_lowering(primitive, other_lowering)
+    mlir.register_lowering(primitive, mlir.lower_fun(cuda_lowering, multiple_results=True),
+                           platform="cuda")
 
 
-mlir.register_lowering(verify_p, _other_lowering)
-mlir.register_lowering(verify_p, mlir.lower_fun(_cuda_lowering, multiple_results=True),
-                       platform="cuda")
+register_cuda_lowering(verify_p, _cuda_lowering, "fused_verify")
 
 
 @functools.lru_cache(maxsize=None)

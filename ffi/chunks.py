@@ -10,9 +10,8 @@ import functools
 import jax
 import jax.extend
 import jax.numpy as jnp
-from jax.interpreters import mlir
 
-from jax_kda.ffi.call import compile_symbolic, launch_compiled
+from jax_kda.ffi.call import compile_symbolic, launch_compiled, register_cuda_lowering
 
 chunk_states_p = jax.extend.core.Primitive("jax_kda_chunk_states")
 chunk_states_p.multiple_results = True
@@ -41,16 +40,7 @@ def _cuda_lowering(u_v, w_k, gq, tail, decay, bm, state):
                            outputs, {})
 
 
-def _other_lowering(ctx, *arrays):
-    raise ValueError(
-        f"prefill backend='cutedsl': the CuTe DSL chunk kernel runs on CUDA GPUs of compute "
-        f"capability >= 9.0, and this program is lowered for "
-        f"{ctx.module_context.platforms}; use backend='auto' or backend='jax'")
-
-
-mlir.register_lowering(chunk_states_p, _other_lowering)
-mlir.register_lowering(chunk_states_p, mlir.lower_fun(_cuda_lowering, multiple_results=True),
-                       platform="cuda")
+register_cuda_lowering(chunk_states_p, _cuda_lowering, "prefill")
 
 
 @functools.lru_cache(maxsize=None)

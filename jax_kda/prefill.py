@@ -111,6 +111,13 @@ def _prefill(params, cache, inputs, layer, *, config, backend):
     return run_prefill(params, cache, inputs, config, layer, recurrence)
 
 
+@functools.lru_cache(maxsize=None)
+def _with_backend(backend: str):
+    """`_prefill` with its backend bound, one object per backend (a static key of
+    `per_head`'s partitioning, which a new object each call would miss)."""
+    return functools.partial(_prefill, backend=backend)
+
+
 def _scan_kernel_fits(config: KdaConfig) -> bool:
     """Whether the chunk size suits the scan kernel (a multiple of 16 tokens)."""
     return prompt_chunks.chunk_size(config.lower_bound) % 16 == 0
@@ -154,5 +161,4 @@ def prefill(params: KdaParams, cache: KdaCache, inputs: PrefillInputs, config: K
         raise ValueError(f"backend='cutedsl': the prefill's chunks of "
                          f"{prompt_chunks.chunk_size(config.lower_bound)} tokens (lower_bound "
                          f"{config.lower_bound}) are not a multiple of 16; use backend='jax'")
-    return per_head(functools.partial(_prefill, backend=backend), config, params, cache,
-                    inputs, layer)
+    return per_head(_with_backend(backend), config, params, cache, inputs, layer)

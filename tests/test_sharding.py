@@ -2,16 +2,16 @@
 per-shard config, and a session of every entry point (prefill, verify, accept, verify,
 accept, flush) on head-sharded arrays, under `jax.shard_map` and under plain `jax.jit`
 (Shardy, explicit sharding, XLA's GSPMD), each bit for bit what every shard's heads give
-unsharded, with no collective and no copy of the cache; the kernel's step under
-`jax.shard_map` exported for CUDA (one custom call on each device's heads), and under
-jit carrying the library's sharding rule.
+unsharded, with no collective and no copy of the cache; the kernel's step and the
+prefill with its chunk kernel under `jax.shard_map` exported for CUDA (one custom call
+on each device's heads), and the step under jit carrying the library's sharding rule.
 
 XLA fixes a process's CPU devices when JAX starts, and the rest of the suite runs on one:
 in a process without DEVICES CPU devices, `test_with_four_cpu_devices` runs this module
 in a child process on four (JAX_PLATFORMS=cpu,
 XLA_FLAGS=--xla_force_host_platform_device_count=4), and the tests that need them skip
-here. Their meshes span two of the four: jaxlib's batched LAPACK kernels (the prefill's
-triangular solves) wait inside XLA:CPU's thread pool, which on a machine of fewer cores
+here. Their meshes span two of the four: jaxlib's batched LAPACK kernels (the XLA
+verify's triangular solves) wait inside XLA:CPU's thread pool, which on a machine of fewer cores
 has a thread per device, so programs waiting on every device at once can stall it.
 """
 import dataclasses
@@ -278,6 +278,34 @@ def test_kernel_step_under_shard_map_exports_one_call_per_device(draw):
     assert f"tensor<{LAYERS}x{NUM_SLOTS}x{H}x128x128xf32>" in call, "not the local heads"
     main = re.search(r"func\.func public @main\((.*?)\) ->", text, re.S).group(1)
     assert main.count("tf.aliasing_output") == len(dataclasses.fields(KdaCache))
+
+
+@on_devices
+@pytest.mark.kernels
+def test_kernel_prefill_under_shard_map_exports_one_call_per_device(draw):
+    """The prefill with its chunk kernel, of one layer of a stacked cache, under
+    jax.shard_map over four devices, exported for CUDA: one chunk-kernel call on each
+    device's H / 4 heads, no collective."""
+    pytest.importorskip("cutlass", reason="needs nvidia-cutlass-dsl")
+    config = KdaConfig(heads=8, tokens=4)
+    local = local_config(config, DEVICES)
+    four = jax.make_mesh((DEVICES,), (AXIS,))
+    params, cache, _ = kernel_arguments(draw, config)
+    wide = dataclasses.replace(config, tokens=PROMPT)
+    prompts = jax.eval_shape(lambda: prompts_of(draw.inputs(
+        draw.key(2), wide, jnp.asarray(SLOTS, jnp.int32), jnp.asarray(ROWS, jnp.int32)),
+        PROMPT))
+    args = (params, cache, prompts)
+    specs = head_specs(args, AXIS)
+    step = jax.shard_map(
+        lambda p, c, i: prefill(p, c, i, local, backend="cutedsl", layer=1), mesh=four,
+        in_specs=specs, out_specs=(output_spec(AXIS), specs[1]))
+    text, target = exported_for_cuda(jax.jit(step, donate_argnums=1),
+                                     *typed(args, four, specs))
+    assert text.count(f"stablehlo.custom_call @{target}") == 1
+    assert not re.search(r"all_gather|all_reduce|all_to_all|collective_permute", text)
+    call = re.search(rf"custom_call @{target}\(.*", text).group(0)
+    assert f"tensor<2x{config.heads // DEVICES}x1x64x128xf32>" in call, "not the local heads"
 
 
 @on_devices

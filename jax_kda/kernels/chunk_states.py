@@ -52,7 +52,8 @@ class ChunkStates:
 
     def buffers(self):
         """The CTA's shared buffers, in allocation order: name -> shape (FP32); tokens
-        holds w_k (side 0's) and gq (side 1's)."""
+        holds w_k (side 0's) and gq (side 1's); u_v's rows are padded by 2 PAD so that a
+        warp's scalar reads of 4 tokens x 8 rows hit 32 distinct banks."""
         C = self.chunk
         return {"tokens": (2, C, K), "tail": (C, K), "bm": (C, C),
                 "u_v": (C, ROWS + 2 * PAD), "decay": (K,), "s": (ROWS, K + PAD),
@@ -174,11 +175,11 @@ class ChunkStates:
         for c in cutlass.range(0, K, 4, unroll=4):
             keys = [load_vec(smem["s"].iterator, (lane % 8 + 8 * j) * (K + PAD) + c, 4)
                     for j in range(TILE)]
-            rows = [load_vec(tokens, (lane // 8 + 16 * i) * K + c, 4) for i in range(I)]
+            lines = [load_vec(tokens, (lane // 8 + 16 * i) * K + c, 4) for i in range(I)]
             for q in cutlass.range_constexpr(4):  # independent accumulators back to back
                 for i in cutlass.range_constexpr(I):
                     for j in cutlass.range_constexpr(TILE):
-                        dots[i * TILE + j] = dots[i * TILE + j] + rows[i][q] * keys[j][q]
+                        dots[i * TILE + j] = dots[i * TILE + j] + lines[i][q] * keys[j][q]
         return dots
 
     @cute.jit

@@ -8,10 +8,11 @@ B x L tokens, ours against flash-linear-attention's `chunk_kda` in the same proc
   beta's sigmoid and the q / k norms in its kernel (`use_gate_in_kernel`, safe gate at
   the same lower bound), the final state out; CUDA events, median.
 
-Each row: impl, B, L, us, tokens_per_s, compile_s (ours), or error. Run by bench.py;
-alone:
+Each row: impl, B, L, us, tokens_per_s, compile_s (ours), or error; with `--profile`
+also `kernels`, the GPU time of one call by kernel name (the commonest first). Run by
+bench.py; alone:
 
-    python benchmarks/prefill.py --json prefill.json [--points 1x1024,1x4096,...]
+    python benchmarks/prefill.py --json prefill.json [--points 1x1024,1x4096,...] [--profile]
 """
 from __future__ import annotations
 
@@ -49,7 +50,17 @@ def prompts(config: KdaConfig, B: int, L: int, seed: int) -> PrefillInputs:
                          record_rows=slots - 1)
 
 
-def ours(config: KdaConfig, B: int, L: int) -> dict:
+def by_kernel(kernels, top: int = 12) -> dict:
+    """[(name, ns)] -> the `top` names of most GPU time, in us, and the rest as "other"."""
+    totals = {}
+    for name, ns in kernels:
+        totals[name[:80]] = totals.get(name[:80], 0) + ns * 1e-3
+    ranked = sorted(totals.items(), key=lambda item: -item[1])
+    rest = sum(us for _, us in ranked[top:])
+    return {**dict(ranked[:top]), **({"other": rest} if rest else {})}
+
+
+def ours(config: KdaConfig, B: int, L: int, profile: bool = False) -> dict:
     params = random_params(jax.random.key(1), config)
     cache = random_cache(jax.random.key(2), config, B + 1, B)
     inputs = jax.block_until_ready(prompts(config, B, L, 3))
@@ -65,10 +76,19 @@ def ours(config: KdaConfig, B: int, L: int) -> dict:
         out, cache = compiled(params, cache, inputs)
         jax.block_until_ready((out, cache))
         times.append(time.perf_counter() - start)
-    return dict(us=1e6 * statistics.median(times), compile_s=compile_s)
+    row = dict(us=1e6 * statistics.median(times), compile_s=compile_s)
+    if profile:
+        from jax_kda.profiling import _trace
+
+        def call():
+            nonlocal cache
+            out, cache = compiled(params, cache, inputs)
+            jax.block_until_ready((out, cache))
+        row["kernels"] = by_kernel((k.name, k.end_ns - k.start_ns) for k in _trace(call))
+    return row
 
 
-def fla(config: KdaConfig, B: int, L: int, torch) -> dict:
+def fla(config: KdaConfig, B: int, L: int, torch, profile: bool = False) -> dict:
     from fla.ops.kda import chunk_kda
 
     H, device = config.heads, "cuda"
@@ -86,7 +106,14 @@ def fla(config: KdaConfig, B: int, L: int, torch) -> dict:
                              A_log=a_log, dt_bias=dt_bias)
     call()
     torch.cuda.synchronize()
-    return dict(us=1e6 * measure.torch_event_times(torch, lambda i: call(), 1, CALLS))
+    row = dict(us=1e6 * measure.torch_event_times(torch, lambda i: call(), 1, CALLS))
+    if profile:
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as trace:
+            call()
+            torch.cuda.synchronize()
+        row["kernels"] = by_kernel((e.name, 1e3 * e.device_time) for e in trace.events()
+                                   if e.device_time > 0)
+    return row
 
 
 def run(args) -> list:
@@ -104,7 +131,8 @@ def run(args) -> list:
                 row["skipped"] = fla_why
             else:
                 try:
-                    row.update(ours(config, B, L) if impl == "ours" else fla(config, B, L, torch))
+                    row.update(ours(config, B, L, args.profile) if impl == "ours"
+                               else fla(config, B, L, torch, args.profile))
                     row["tokens_per_s"] = B * L / (row["us"] * 1e-6)
                 except Exception as error:  # noqa: BLE001 - out of memory, a missing kernel
                     row["error"] = f"{type(error).__name__}: {str(error)[:300]}"
@@ -117,6 +145,8 @@ def parse(argv):
     parser.add_argument("--heads", type=int, default=measure.KIMI_HEADS)
     parser.add_argument("--points", type=measure.points, default=list(POINTS),
                         help="BxL prompts (default 1x1024,1x4096,1x16384,8x2048)")
+    parser.add_argument("--profile", action="store_true",
+                        help="also trace one call of each: GPU time by kernel name")
     parser.add_argument("--budget-s", type=float, default=600.0,
                         help="no new point is started past it")
     return parser.parse_args(argv)

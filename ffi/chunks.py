@@ -1,8 +1,10 @@
-"""`cutedsl_chunk_states`: the prompt's scan over chunks (`jax_kda.kernels.chunk_states`)
-as a custom call: a primitive whose CUDA lowering compiles the kernel once per chunk
-size for symbolic B, H and chunk count (one binary for every prompt and batch, also
-under `jax.export` on a machine without a GPU) and runs it through CuTe DSL's FFI
-target; on any other platform the lowering raises a clear error."""
+"""The prefill's two kernels as custom calls: `cutedsl_chunk_operands` (the chunks'
+operands, `jax_kda.kernels.chunk_operands`) and `cutedsl_chunk_states` (the scan over
+chunks, `jax_kda.kernels.chunk_states`). Each is a primitive whose CUDA lowering
+compiles its kernel once per configuration for symbolic sizes (one binary for every
+prompt and batch, also under `jax.export` on a machine without a GPU) and runs it
+through CuTe DSL's FFI target; on any other platform the lowering raises a clear
+error."""
 from __future__ import annotations
 
 import functools
@@ -11,10 +13,68 @@ import jax
 import jax.extend
 import jax.numpy as jnp
 
+from jax_kda.config import K
 from jax_kda.ffi.call import compile_symbolic, launch_compiled, register_cuda_lowering
+from jax_kda.prompt_chunks import CHUNK, Operands
 
+chunk_operands_p = jax.extend.core.Primitive("jax_kda_chunk_operands")
+chunk_operands_p.multiple_results = True
 chunk_states_p = jax.extend.core.Primitive("jax_kda_chunk_states")
 chunk_states_p.multiple_results = True
+
+
+def cutedsl_chunk_operands(y, raw_g, beta, lengths, a_log, dt_bias, *, lower_bound: float,
+                           scale: float) -> Operands:
+    """The chunk operands of `jax_kda.prompt_chunks.chunk_operands` (chunks of CHUNK
+    tokens, identities past each length), straight from the layer's token-major
+    tensors: y [B, P, 3, H, K] (`layer.convolve`) and raw_g [B, P, H, K]
+    (`layer.gate_projection`), bf16 values, beta [B, P, H] bf16 logits, lengths [B]
+    int32 (clamped to [0, P]), a layer's a_log [H] and dt_bias [H, K] (FP32);
+    lower_bound and scale: the config's (its query scale)."""
+    B, P, _, H, _ = y.shape
+    N = -(-P // CHUNK)
+    outputs = _operand_outputs(B, H, N)
+    if 0 in (B, N):  # nothing to launch: identities
+        return Operands(*(jnp.full(o.shape, 1.0 if i == 4 else 0.0, jnp.float32)
+                          for i, o in enumerate(outputs)))
+    return Operands(*chunk_operands_p.bind(
+        y.astype(jnp.bfloat16), raw_g.astype(jnp.bfloat16), beta.astype(jnp.bfloat16),
+        lengths.astype(jnp.int32), a_log.astype(jnp.float32), dt_bias.astype(jnp.float32),
+        lower_bound=float(lower_bound), scale=float(scale)))
+
+
+def _operand_outputs(B, H, N):
+    tokens = (B, H, N, CHUNK, K)
+    return [jax.ShapeDtypeStruct(shape, jnp.float32) for shape in
+            (tokens,) * 4 + ((B, H, N, K), (B, H, N, CHUNK, CHUNK))]
+
+
+@chunk_operands_p.def_abstract_eval
+def _operands_abstract(y, *inputs, lower_bound, scale):
+    B, P, _, H, _ = y.shape  # the outputs vary over the mesh axes as y does
+    return [y.update(shape=o.shape, dtype=o.dtype) for o in
+            _operand_outputs(B, H, -(-P // CHUNK))]
+
+
+def _operands_lowering(y, *inputs, lower_bound, scale):
+    B, P, _, H, _ = y.shape
+    return launch_compiled(_compiled_operands(lower_bound, scale), (y, *inputs),
+                           _operand_outputs(B, H, -(-P // CHUNK)), {})
+
+
+register_cuda_lowering(chunk_operands_p, _operands_lowering, "prefill")
+
+
+@functools.lru_cache(maxsize=None)
+def _compiled_operands(lower_bound, scale):
+    """ChunkOperands(lower_bound, scale) compiled for symbolic B, P, H and N."""
+    from jax_kda.kernels.chunk_operands import ChunkOperands
+
+    kernel = ChunkOperands(lower_bound, scale)
+    inputs, outputs = ([jax.ShapeDtypeStruct(shape, jnp.dtype(dtype)) for shape, dtype in part]
+                       for part in kernel.shapes(*jax.export.symbolic_shape("B, P, H, N")))
+    return compile_symbolic(kernel, inputs, outputs, (True,) * len(inputs), {},
+                            compile_key=("chunk_operands", lower_bound, scale))
 
 
 def cutedsl_chunk_states(state, u_v, w_k, gq, tail, decay, bm):

@@ -44,14 +44,14 @@ def gate_projection(f_a, f_b, gate_mode):
     gate_mode 0 sums the K rank columns as one chain; 1 as four chains over column
     quarters added ((c0 + c1) + c2) + c3. Products of bf16 values are exact in FP32.
     """
-    f_a, f_b = f_a.astype(jnp.float32), f_b.astype(jnp.float32)
+    exact = dict(preferred_element_type=jnp.float32)  # FP32 sums of the exact products
     if gate_mode == 0:
-        total = jnp.einsum("btr,hfr->bthf", f_a, f_b, precision=HIGHEST)
+        total = jnp.einsum("btr,hfr->bthf", f_a, f_b, **exact)
     else:
         B, T = f_a.shape[:2]
         H = f_b.shape[0]
         quarters = jnp.einsum("btqr,hfqr->bthfq", f_a.reshape(B, T, 4, K // 4),
-                              f_b.reshape(H, K, 4, K // 4), precision=HIGHEST)
+                              f_b.reshape(H, K, 4, K // 4), **exact)
         total = ((quarters[..., 0] + quarters[..., 1]) + quarters[..., 2]) + quarters[..., 3]
     return round_bf16(total)
 

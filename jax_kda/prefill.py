@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -21,8 +22,9 @@ from jax_kda.config import CONV_TAPS, K, KdaConfig
 from jax_kda.layer import gated_rmsnorm
 from jax_kda.partitioning import per_head
 from jax_kda.pytrees import KdaCache, KdaParams, PrefillInputs
-from jax_kda.rows import (Replay, layer_of, locate, prepare_tokens, read_history,
-                          read_replay, read_state, two_rows, write, write_pending)
+from jax_kda.rows import (Replay, convolved, layer_of, locate, normalized, pad_rows,
+                          read_history, read_replay, read_state, two_rows, write,
+                          write_pending)
 from jax_kda.validate import (BF16, BOOL, check_cache, check_layer, check_params,
                               check_rows, expect, typed)
 from jax_kda.verify import BACKENDS, cutedsl_supported
@@ -50,64 +52,96 @@ def check_prefill(params: KdaParams, cache: KdaCache, inputs: PrefillInputs,
     return check_layer(layer, L) if stacked else None
 
 
+class Prompt(NamedTuple):
+    """A piece's tokens as the layer's pointwise part leaves them, token-major: y
+    [B, P, 3, H, K] and raw_g [B, P, H, K] (`rows.convolved`: bf16 values), beta
+    [B, P, H] (the logits as given), lengths [B] (clamped to [0, P])."""
+
+    y: jax.Array
+    raw_g: jax.Array
+    beta: jax.Array
+    lengths: jax.Array
+
+
+def token_vectors(params: KdaParams, prompt: Prompt, config: KdaConfig):
+    """(q, k, v, beta, d) of the prompt, [B, H, P, ...] (`rows.normalized`): identity
+    tokens past each length, zeroed too so that any padding (even NaN) is inert."""
+    tokens = normalized(params, prompt.y, prompt.raw_g, prompt.beta, config)
+    B, P = prompt.beta.shape[:2]
+    valid = jnp.arange(P)[None, :] < prompt.lengths[:, None]  # [B, P]
+    mask = lambda a, fill: jnp.where(valid.reshape(B, 1, P, *(1,) * (a.ndim - 3)), a, fill)
+    return (mask(tokens.q, 0.0), mask(tokens.k, 0.0), mask(tokens.v, 0.0),
+            mask(tokens.beta, 0.0), mask(tokens.d, 1.0))
+
+
 def run_prefill(params: KdaParams, cache: KdaCache, inputs: PrefillInputs,
                 config: KdaConfig, layer, recurrence):
-    """The prefill around a recurrence(state, replay, q, k, v, beta, d) -> (final state
-    [B, H, K, K], o [B, H, P, K] bf16 values) that folds `replay` (a `rows.Replay`) into
-    `state`, then runs the prompt; shared with `ref.stock_prefill`. Returns (out
-    [B, P, H, K] bf16, cache)."""
-    batch = inputs.x.shape[0]
-    if inputs.resume is None:
-        inputs = dataclasses.replace(inputs, resume=jnp.zeros((batch,), bool))
-    inputs = two_rows(inputs)
+    """The prefill around a recurrence(state, replay, params, prompt, config) -> (final
+    state [B, H, K, K], o [B, H, P, K] bf16 values) that folds `replay` (a
+    `rows.Replay`) into `state`, then runs the `Prompt`; shared with
+    `ref.stock_prefill`. Returns (out [B, P, H, K] bf16, cache)."""
     B, P = inputs.x.shape[:2]
-    rows = locate(cache, inputs.slots, inputs.record_rows, config, layer)
-    resume = inputs.resume & rows.live
+    if inputs.resume is None:
+        inputs = dataclasses.replace(inputs, resume=jnp.zeros((B,), bool))
+    # The cache's rows: a request alone as two (`two_rows`); its prompt is not doubled.
+    slots, record_rows, resume = two_rows((inputs.slots, inputs.record_rows, inputs.resume))
+    rows = locate(cache, slots, record_rows, config, layer)
+    resume = resume & rows.live
     rows = rows._replace(n=jnp.where(resume[:, None], rows.n, 0))  # a new prompt: none
     params = layer_of(params, rows.layer)
-    fresh = lambda a: jnp.where(resume.reshape((B,) + (1,) * (a.ndim - 1)), a, 0.0)
+    fresh = lambda a: jnp.where(resume.reshape((-1,) + (1,) * (a.ndim - 1)), a, 0.0)[:B]
     history = fresh(read_history(cache, rows))
-    tokens = prepare_tokens(params, inputs.x, inputs.f_a, inputs.beta, history, config)
     lengths = jnp.clip(inputs.lengths, 0, P)
-    valid = jnp.arange(P)[None, :] < lengths[:, None]  # [B, P]
-    # Past the length: identity tokens, zeroed too so that any padding (even NaN) is inert.
-    mask = lambda a, fill: jnp.where(valid.reshape(B, 1, P, *(1,) * (a.ndim - 3)), a, fill)
-    state, o = recurrence(fresh(read_state(cache, rows)), read_replay(params, cache, rows, config),
-                          mask(tokens.q, 0.0), mask(tokens.k, 0.0), mask(tokens.v, 0.0),
-                          mask(tokens.beta, 0.0), mask(tokens.d, 1.0))
+    prompt = Prompt(*convolved(params, inputs.x, inputs.f_a, history, config), inputs.beta,
+                    lengths)
+    replay = jax.tree.map(lambda a: a[:B], read_replay(params, cache, rows, config))
+    state, o = recurrence(fresh(read_state(cache, rows)), replay, params, prompt, config)
 
     out = gated_rmsnorm(jnp.swapaxes(o, 1, 2), inputs.gate, params.norm_weight, config.eps)
-    keep = valid & rows.live[:, None]
+    keep = (jnp.arange(P)[None, :] < lengths[:, None]) & rows.live[:B, None]
     out = jnp.where(keep[:, :, None, None], out, jnp.zeros_like(out))
     # The last three inputs of [history, x]: positions length .. length + 2.
     history_x = jnp.moveaxis(history, 2, 1).astype(inputs.x.dtype)  # [B, 3, 3, H, K]
     padded = jnp.concatenate([history_x, inputs.x], axis=1)
     at = (lengths[:, None] + jnp.arange(CONV_TAPS - 1))[:, :, None, None, None]
     window = jnp.transpose(jnp.take_along_axis(padded, at, axis=1), (0, 2, 3, 4, 1))
-    return out[:batch], dataclasses.replace(
+    rows_of = lambda a: pad_rows(a, rows.slot.shape[0])
+    return out, dataclasses.replace(
         cache,
-        state=write(cache.state, rows.layer, rows.slot, state),
-        conv=write(cache.conv, rows.layer, (rows.slot, ..., slice(0, CONV_TAPS - 1)), window),
+        state=write(cache.state, rows.layer, rows.slot, rows_of(state)),
+        conv=write(cache.conv, rows.layer, (rows.slot, ..., slice(0, CONV_TAPS - 1)),
+                   rows_of(window)),
         pending=write_pending(cache, rows, 0),
     )
 
 
-def prompt_recurrence(state, replay: Replay, q, k, v, beta, d, *, lower_bound, scan):
+def prompt_recurrence(state, replay: Replay, params: KdaParams, prompt: Prompt,
+                      config: KdaConfig, *, backend: str):
     """The kept records folded in closed form, then the prompt in chunks of dense
-    products (`prompt_chunks.recurrence`, its scan over chunks `scan`)."""
+    products (`prompt_chunks`): on "jax" all in XLA; on "cutedsl" the scan over chunks
+    in its kernel, and the chunks' operands in theirs where the lower bound suits it
+    (`prompt_chunks.operands_kernel_fits`), else in XLA."""
     state = chunked.replay(state, replay.u, replay.kn, replay.d)
-    return prompt_chunks.recurrence(state, q, k, v, beta, d, lower_bound=lower_bound,
-                                    scan=scan)
+    P = prompt.beta.shape[1]
+    if backend == "cutedsl":  # the kernels' calls, imported lazily
+        from jax_kda.ffi import cutedsl_chunk_operands, cutedsl_chunk_states
+
+        scan = cutedsl_chunk_states
+    else:
+        scan = prompt_chunks.scan_chunks
+    if backend == "cutedsl" and prompt_chunks.operands_kernel_fits(config.lower_bound):
+        operands = cutedsl_chunk_operands(*prompt, params.a_log, params.dt_bias,
+                                          lower_bound=config.lower_bound,
+                                          scale=config.query_scale)
+    else:
+        operands = prompt_chunks.chunk_operands(*token_vectors(params, prompt, config),
+                                                lower_bound=config.lower_bound)
+    return prompt_chunks.recurrence(state, operands, P, scan=scan)
 
 
 @functools.partial(jax.jit, static_argnames=("config", "backend"))
 def _prefill(params, cache, inputs, layer, *, config, backend):
-    if backend == "jax":
-        scan = prompt_chunks.scan_chunks
-    else:
-        from jax_kda.ffi import cutedsl_chunk_states as scan  # the kernel's call, lazily
-    recurrence = functools.partial(prompt_recurrence, lower_bound=config.lower_bound,
-                                   scan=scan)
+    recurrence = functools.partial(prompt_recurrence, backend=backend)
     return run_prefill(params, cache, inputs, config, layer, recurrence)
 
 
@@ -135,10 +169,11 @@ def prefill(params: KdaParams, cache: KdaCache, inputs: PrefillInputs, config: K
       inputs: the prompts (`PrefillInputs`: x [B, P, 3, H, K] bf16, ..., lengths [B],
         resume [B] for the rows that continue a prompt from the cache).
       config: the static `KdaConfig` (its tokens only size the cache's records).
-      backend: where the scan over the prompt's chunks runs: "cutedsl" (a CuTe DSL
-        kernel, CUDA GPUs of compute capability >= 9.0, chunks of a multiple of 16
-        tokens), "jax" (XLA, any device) or "auto" (the kernel where it runs); the rest
-        of the layer is XLA's either way.
+      backend: where the prompt's chunks run: "cutedsl" (CuTe DSL kernels, CUDA GPUs of
+        compute capability >= 9.0: the scan over chunks for chunks of a multiple of 16
+        tokens, and the chunks' operands too at lower_bound >= about -5.2), "jax" (XLA,
+        any device) or "auto" (the kernels where they run); the convolution, gate
+        projection and gated norm are XLA's either way.
       layer: for stacked params and cache, the layer to run (a Python int or an int32
         scalar, e.g. traced in `lax.scan`); None for one layer's.
 

@@ -9,11 +9,12 @@ decays, the stock recurrence over a chunk from its starting state S is
     (I + diag(beta) A) u = diag(beta) (v - (Gamma * k) S^T)
     o = (Gamma * q) S^T + Bm u,   S' = S diag(Gamma_C) + u^T (k * P(t, C))
 
-Everything but S is known before the chunks run, so the solve's two right-hand sides
-(v and Gamma * k) are solved for every chunk at once, by each chunk's explicit inverse
-(`unit_lower_inverse`: matrix products rather than a batched triangular solve, see
-docs/performance.md), and the scan over chunks carries only S through three products:
-u from S, o's inter-chunk part, the next S (`scan_chunks`, or its CuTe DSL twin).
+Everything but S is known before the chunks run (`chunk_operands`, or its CuTe DSL
+twin): the solve's two right-hand sides (v and Gamma * k) are solved for every chunk at
+once, by each chunk's explicit inverse (`unit_lower_inverse`: matrix products rather
+than a batched triangular solve, see docs/performance.md), and the scan over chunks
+carries only S through three products: u from S, o's inter-chunk part, the next S
+(`scan_chunks`, or its CuTe DSL twin).
 
 P(s, t) is split around a reference token m as P(m, t) P(s, m), so that A and Bm are
 matrix products too: for t in sub-chunk i and s before it, m is the token before the
@@ -26,6 +27,7 @@ row, key column), as in `jax_kda.chunked`.
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -147,15 +149,27 @@ def scan_chunks(state, u_v, w_k, gq, tail, decay, bm, *, unroll: int = 4):
     return state, inter + mm("...ts,...sr->...tr", bm, u)
 
 
-def recurrence(state, q, k, v, beta, d, *, lower_bound: float, chunk: int | None = None,
-               scan=scan_chunks):
-    """The prompt from `state`: (state after it [B, H, K, K], o [B, H, P, K] bf16 values).
+class Operands(NamedTuple):
+    """A prompt's chunk operands, FP32: u_v, w_k (the solve's two sides), gq (Gamma q),
+    tail (k_t prod_{r>t} d_r) [B, H, N, C, K], decay (Gamma_C) [B, H, N, K], bm (Bm)
+    [B, H, N, C, C]."""
 
-    q, k, v, d: [B, H, P, K]; beta: [B, H, P]. Tokens past a prompt are identities
-    (d = 1, beta = 0). lower_bound: the config's (every log decay lies in
-    [lower_bound, 0]); chunk: tokens per scan step (default CHUNK, at most 8 sub-chunks:
-    the pair products' graph grows with their count); scan: `scan_chunks` or its
-    kernel."""
+    u_v: jax.Array
+    w_k: jax.Array
+    gq: jax.Array
+    tail: jax.Array
+    decay: jax.Array
+    bm: jax.Array
+
+
+def chunk_operands(q, k, v, beta, d, *, lower_bound: float, chunk: int | None = None
+                   ) -> Operands:
+    """The chunks' operands of a prompt (in XLA; `jax_kda.ffi.cutedsl_chunk_operands` is
+    its kernel). q, k, v, d: [B, H, P, K]; beta: [B, H, P]. Tokens past a prompt are
+    identities (d = 1, beta = 0) and P is padded with them to whole chunks.
+    lower_bound: the config's (every log decay lies in [lower_bound, 0]); chunk: tokens
+    per chunk (default `chunk_size`, at most 8 sub-chunks: the pair products' graph
+    grows with their count)."""
     B, H, P = beta.shape
     K = k.shape[-1]
     chunk = chunk or chunk_size(lower_bound)
@@ -173,11 +187,23 @@ def recurrence(state, q, k, v, beta, d, *, lower_bound: float, chunk: int | None
     rhs = beta[..., None] * jnp.concatenate([v, gamma * k], axis=-1)
     solved = mm("...ts,...sr->...tr", unit_lower_inverse(beta[..., None] * A), rhs)
     tail = k * suffix_products(d)  # k_t prod_{r>t} d_r
-    state, o = scan(state, solved[..., :K], solved[..., K:], gamma * q, tail,
-                    gamma[..., -1, :], Bm)
-    return state, round_bf16(o).reshape(B, H, N * chunk, K)[:, :, :P]
+    return Operands(solved[..., :K], solved[..., K:], gamma * q, tail, gamma[..., -1, :], Bm)
+
+
+def recurrence(state, operands: Operands, length: int, *, scan=scan_chunks):
+    """The prompt from `state` through its chunk operands: (state after it [B, H, K, K],
+    o [B, H, length, K] bf16 values). scan: `scan_chunks` or its kernel."""
+    state, o = scan(state, *operands)
+    B, H, N, C, K = o.shape
+    return state, round_bf16(o).reshape(B, H, N * C, K)[:, :, :length]
 
 
 def chunk_size(lower_bound: float) -> int:
     """Tokens per chunk: CHUNK, or 8 sub-chunks where the decays are steep."""
     return min(CHUNK, 8 * subchunk(lower_bound))
+
+
+def operands_kernel_fits(lower_bound: float) -> bool:
+    """Whether the operands' kernel (chunks of CHUNK, sub-chunks of SUBCHUNK) runs at
+    this lower_bound (>= about -5.2)."""
+    return subchunk(lower_bound) == SUBCHUNK and chunk_size(lower_bound) == CHUNK

@@ -75,6 +75,11 @@ def two_rows(batch):
     return jax.tree.map(lambda a: jnp.concatenate([a, jnp.zeros_like(a)]), batch)
 
 
+def pad_rows(a, rows: int):
+    """a [B, ...] with zero rows appended up to `rows` (`two_rows`' padding row)."""
+    return jnp.pad(a, ((0, rows - a.shape[0]),) + ((0, 0),) * (a.ndim - 1))
+
+
 def locate(cache: KdaCache, slots, record_rows, config: KdaConfig, layer=None) -> Rows:
     """The batch's slots and record rows, validated against the buffers' sizes."""
     S, R = cache.state.shape[-4], cache.pending.shape[-2]
@@ -145,15 +150,17 @@ def read_history(cache: KdaCache, rows: Rows):
     return jnp.moveaxis(history, -1, 2)
 
 
-def prepare_tokens(params: KdaParams, x, f_a, beta, history, config: KdaConfig) -> Tokens:
-    """Convolution, SiLU, norms, gate projection, decays and betas of the tokens.
+def convolved(params: KdaParams, x, f_a, history, config: KdaConfig):
+    """The convolution and SiLU of q, k and v, and the gate projection: (y [B, T, 3, H, K],
+    raw_g [B, T, H, K]), bf16 values, token-major. x: [B, T, 3, H, K] bf16; f_a:
+    [B, T, K]; history as `read_history` returns it."""
+    return (convolve(history, x, params.conv_weight, params.conv_bias),
+            gate_projection(f_a, params.f_b, config.gate_mode))
 
-    x: [B, T, 3, H, K] bf16; f_a: [B, T, K]; beta: [B, T, H]; history as `read_history`
-    returns it.
-    """
-    y = convolve(history, x, params.conv_weight, params.conv_bias)
+
+def normalized(params: KdaParams, y, raw_g, beta, config: KdaConfig) -> Tokens:
+    """The norms, decays and betas of `convolved`'s tokens (beta: [B, T, H] logits)."""
     q, key, v = (jnp.swapaxes(y[:, :, i], 1, 2) for i in range(3))  # [B, H, T, K]
-    raw_g = gate_projection(f_a, params.f_b, config.gate_mode)
     d = decay(raw_g, params.a_log, params.dt_bias, config.lower_bound)
     return Tokens(
         q=l2_normalize(q, config.query_scale),
@@ -164,6 +171,12 @@ def prepare_tokens(params: KdaParams, x, f_a, beta, history, config: KdaConfig) 
         key=jnp.swapaxes(key, 1, 2),
         raw_g=raw_g,
     )
+
+
+def prepare_tokens(params: KdaParams, x, f_a, beta, history, config: KdaConfig) -> Tokens:
+    """Convolution, SiLU, norms, gate projection, decays and betas of the tokens
+    (`convolved`, then `normalized`)."""
+    return normalized(params, *convolved(params, x, f_a, history, config), beta, config)
 
 
 def write_state(cache: KdaCache, rows: Rows, state_0, state_n, folded):

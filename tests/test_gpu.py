@@ -532,3 +532,51 @@ def test_chunk_kernel_matches_the_xla_scan(chunk):
         a, e = np.asarray(a), np.asarray(e)
         assert np.all(np.isfinite(a)), name
         assert np.max(np.abs(a - e)) <= 2e-5 * np.max(np.abs(e)), name
+
+
+def test_chunk_operands_kernel_matches_xla():
+    """The prefill's chunk operands, the CuTe DSL kernel on the layer's token-major
+    tensors against `prompt_chunks.chunk_operands` of `prefill.token_vectors` on the
+    CPU: 2 prompts of 200 tokens x 3 heads (a ragged last chunk, the second request
+    ending at 137 with NaN past it). Each within 1e-5 of its largest entry (FP32 in
+    another order: the kernel's decays and norms, forward substitution where XLA
+    multiplies by blocked inverses; 5e-5 for the solve's u_v and w_k, whose (I + N)^-1
+    amplifies the roundings by its condition), none NaN; Bm exactly 0 above the
+    diagonal."""
+    from jax_kda.ffi import cutedsl_chunk_operands
+    from jax_kda.prefill import Prompt, token_vectors
+    from jax_kda.prompt_chunks import chunk_operands
+
+    rng = np.random.default_rng(7)
+    config = KdaConfig(heads=3, tokens=4)
+    B, P, H, K = 2, 200, config.heads, 128
+    params = random_params(jax.random.key(1), config)
+    lengths = np.array([200, 137], np.int32)
+    past = np.arange(P)[None, :] >= lengths[:, None]
+
+    def bf16(*shape, scale=1.0):
+        values = scale * rng.standard_normal((B, P) + shape)
+        values[past] = np.nan
+        return jnp.asarray(values, jnp.bfloat16)
+
+    prompt = Prompt(y=bf16(3, H, K), raw_g=bf16(H, K, scale=2.0), beta=bf16(H),
+                    lengths=jnp.asarray(lengths))
+    call = jax.jit(functools.partial(cutedsl_chunk_operands, lower_bound=config.lower_bound,
+                                     scale=config.query_scale))
+    got = call(*prompt, params.a_log, params.dt_bias)
+    # as `rows.convolved` leaves them: FP32 arrays of bf16 values
+    f32 = prompt._replace(y=prompt.y.astype(jnp.float32), raw_g=prompt.raw_g.astype(jnp.float32))
+    expected = jax.jit(lambda p, t: chunk_operands(*token_vectors(p, t, config),
+                                                   lower_bound=config.lower_bound))(
+        *jax.device_put((params, f32), CPU))
+    errors = {}
+    for name, a, e in zip(expected._fields, got, expected):
+        a, e = np.asarray(a), np.asarray(e)
+        assert a.shape == e.shape and np.all(np.isfinite(a)), name
+        errors[name] = float(np.max(np.abs(a - e)) / np.max(np.abs(e)))
+    log("chunk_operands", "xla", errors)
+    print(errors)
+    allowed = {"u_v": 5e-5, "w_k": 5e-5}
+    assert all(error <= allowed.get(name, 1e-5) for name, error in errors.items()), errors
+    upper = np.triu(np.ones((64, 64), bool), 1)
+    assert np.all(np.asarray(got.bm)[..., upper] == 0.0)

@@ -4,8 +4,10 @@
 (the custom call launches it under JAX, `jax_kda.ffi.call`); `compile_verify(...)`
 compiles it ahead of time for any batch, slot, record and layer count (symbolic B, S,
 R, L), as the eager DLPack path and the compile table (`python -m jax_kda.kernels`)
-use it. `compile_chunk_states(chunk)` does the same for the prefill's scan over chunks
-(`jax_kda.kernels.chunk_states`; symbolic B, H and chunk count).
+use it. `compile_chunk_operands(lower_bound, scale)` and `compile_chunk_states(chunk)` do
+the same for the prefill's two kernels: the chunks' operands
+(`jax_kda.kernels.chunk_operands`; symbolic B, prompt length, H and chunk count) and
+the scan over chunks (`jax_kda.kernels.chunk_states`; symbolic B, H and chunk count).
 """
 from __future__ import annotations
 
@@ -24,6 +26,7 @@ except ImportError as error:  # pragma: no cover - depends on the environment
 
 from jax_kda import operands
 from jax_kda.config import KdaConfig
+from jax_kda.kernels.chunk_operands import ChunkOperands
 from jax_kda.kernels.chunk_states import ChunkStates
 from jax_kda.kernels.fused import STAMPS, FusedVerify
 
@@ -80,4 +83,16 @@ def compile_chunk_states(chunk: int, options: str = ""):
     fakes = [make_fake_compact_tensor(cutlass.Float32, shape,
                                       stride_order=tuple(reversed(range(len(shape)))),
                                       assumed_align=16) for shape in inputs + outputs]
+    return cute.compile(kernel, make_fake_stream(), *fakes, options=options)
+
+
+def compile_chunk_operands(lower_bound: float, scale: float, options: str = ""):
+    """`ChunkOperands(lower_bound, scale)` compiled for symbolic B, P, H and N: call it
+    as (stream, y, raw_g, beta, lengths, a_log, dt_bias, u_v, w_k, gq, tail, decay, bm)
+    (`ChunkOperands.shapes`)."""
+    kernel = ChunkOperands(lower_bound, scale)
+    inputs, outputs = kernel.shapes(*(cute.sym_int() for _ in range(4)))
+    fakes = [make_fake_compact_tensor(DTYPES[dtype], shape,
+                                      stride_order=tuple(reversed(range(len(shape)))),
+                                      assumed_align=16) for shape, dtype in inputs + outputs]
     return cute.compile(kernel, make_fake_stream(), *fakes, options=options)

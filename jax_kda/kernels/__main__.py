@@ -1,6 +1,7 @@
 """Compile the fused verify kernel for every configuration (no GPU needed) and print a
 table: registers per thread, spill (local memory) bytes, shared memory, compile seconds;
-then the prefill's chunk kernel for each chunk size it runs (16, 32, 64 tokens).
+then the prefill's two kernels: the chunk scan for each chunk size it runs (16, 32, 64
+tokens) and the chunks' operands at the default config.
 
     python -m jax_kda.kernels --arch sm_90a [--subset] [--jobs N]
 
@@ -87,6 +88,17 @@ def compile_chunk_kernel(arch, chunk):
     return (chunk, *measured(lambda: compile_chunk_states(chunk, options="remarks{ptx}")))
 
 
+def compile_operands_kernel(arch):
+    """The operands kernel's row at the default lower_bound and scale."""
+    os.environ["CUTE_DSL_ARCH"] = arch
+    from jax_kda.config import KdaConfig
+    from jax_kda.kernels import compile_chunk_operands
+
+    config = KdaConfig(heads=1, tokens=2)  # the defaults of lower_bound and scale
+    return measured(lambda: compile_chunk_operands(config.lower_bound, config.query_scale,
+                                                   options="remarks{ptx}"))
+
+
 def measured(compile):
     """(regs, local bytes, smem, seconds, status) of compile(), a compile with ptxas'
     report on."""
@@ -137,6 +149,11 @@ def main(argv=None):
                 failed += status != "ok"
                 print(f"prefill chunk kernel, chunk {chunk:>2}: regs {regs} local {local} "
                       f"smem {smem} {seconds:5.1f} s  {status}", flush=True)
+            regs, local, smem, seconds, status = pool.submit(
+                compile_operands_kernel, args.arch).result()
+            failed += status != "ok"
+            print(f"prefill operands kernel: regs {regs} local {local} smem {smem} "
+                  f"{seconds:5.1f} s  {status}", flush=True)
     print(f"{failed} configurations failed or spilled" if failed else "all compiled, no spills")
     return 1 if failed else 0
 

@@ -8,7 +8,7 @@ import jax.numpy as jnp
 
 from jax_kda.config import KdaConfig
 from jax_kda.layer import HIGHEST, round_bf16
-from jax_kda.prefill import check_prefill, run_prefill
+from jax_kda.prefill import check_prefill, run_prefill, token_vectors
 from jax_kda.pytrees import KdaCache, KdaParams, PrefillInputs, VerifyInputs
 from jax_kda.rows import verify_rows
 from jax_kda.validate import check_verify
@@ -57,8 +57,9 @@ def stock_verify(params: KdaParams, cache: KdaCache, inputs: VerifyInputs,
     return verify_rows(params, cache, inputs, config, layer, stock_recurrence)
 
 
-def stock_prefill_recurrence(state, replay, q, k, v, beta, d):
+def stock_prefill_recurrence(state, replay, params, prompt, config):
     """The kept records folded in, then the prompt, one token per scan step: (state, o)."""
+    q, k, v, beta, d = token_vectors(params, prompt, config)
     state, (_, o) = jax.lax.scan(stock_step, stock_replay(state, replay),
                                  tuple(map(per_token, (q, k, v, d, beta))))
     return state, jnp.moveaxis(o, 0, 2)

@@ -78,13 +78,14 @@ def ours(config: KdaConfig, B: int, L: int, profile: bool = False) -> dict:
         times.append(time.perf_counter() - start)
     row = dict(us=1e6 * statistics.median(times), compile_s=compile_s)
     if profile:
-        from jax_kda.profiling import _trace
+        from jax_kda.profiling import traced_kernels
 
         def call():
             nonlocal cache
             out, cache = compiled(params, cache, inputs)
             jax.block_until_ready((out, cache))
-        row["kernels"] = by_kernel((k.name, k.end_ns - k.start_ns) for k in _trace(call))
+        row["kernels"] = by_kernel((k.name, k.end_ns - k.start_ns)
+                                   for k in traced_kernels(call))
     return row
 
 

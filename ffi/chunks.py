@@ -89,22 +89,22 @@ def cutedsl_chunk_states(state, u_v, w_k, gq, tail, decay, bm):
 
 
 @chunk_states_p.def_abstract_eval
-def _abstract(u_v, w_k, gq, tail, decay, bm, state):
+def _states_abstract(u_v, w_k, gq, tail, decay, bm, state):
     return [w_k, state]  # o has w_k's type, the state after the chunks the state's
 
 
-def _cuda_lowering(u_v, w_k, gq, tail, decay, bm, state):
+def _states_lowering(u_v, w_k, gq, tail, decay, bm, state):
     outputs = (jax.ShapeDtypeStruct(w_k.shape, jnp.float32),
                jax.ShapeDtypeStruct(state.shape, jnp.float32))
-    return launch_compiled(_compiled(w_k.shape[3]), (u_v, w_k, gq, tail, decay, bm, state),
-                           outputs, {})
+    return launch_compiled(_compiled_states(w_k.shape[3]),
+                           (u_v, w_k, gq, tail, decay, bm, state), outputs, {})
 
 
-register_cuda_lowering(chunk_states_p, _cuda_lowering, "prefill")
+register_cuda_lowering(chunk_states_p, _states_lowering, "prefill")
 
 
 @functools.lru_cache(maxsize=None)
-def _compiled(chunk):
+def _compiled_states(chunk):
     """ChunkStates(chunk) compiled for symbolic B, H and N."""
     from jax_kda.kernels.chunk_states import ChunkStates
 

@@ -46,7 +46,7 @@ def traced_steps(run: Callable[[], object], steps: int | None = None, *,
                          f"split={split!r}")
     if steps is not None and (not isinstance(steps, int) or steps < 1):
         raise ValueError(f"steps: expected an int >= 1, got {steps!r}")
-    kernels = _trace(run)
+    kernels = traced_kernels(run)
     if not kernels:
         return {"steps": 0, "names": {}}
     if split is None:
@@ -70,7 +70,7 @@ def traced_steps(run: Callable[[], object], steps: int | None = None, *,
     }
 
 
-def _trace(run) -> list[Kernel]:
+def traced_kernels(run) -> list[Kernel]:
     """The GPU stream activities of `run()`, in start order. Left out: the XLA and
     TensorFlow lines of a GPU plane (they repeat the streams' events as ops) and copies
     between host and device (when they run follows the host, not the device)."""

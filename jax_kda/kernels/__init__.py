@@ -80,10 +80,8 @@ def compile_chunk_states(chunk: int, options: str = ""):
     w_k, gq, tail, decay, bm, state, o, state_out) (`ChunkStates.shapes`)."""
     kernel = ChunkStates(chunk)
     inputs, outputs = kernel.shapes(*(cute.sym_int() for _ in range(3)))
-    fakes = [make_fake_compact_tensor(cutlass.Float32, shape,
-                                      stride_order=tuple(reversed(range(len(shape)))),
-                                      assumed_align=16) for shape in inputs + outputs]
-    return cute.compile(kernel, make_fake_stream(), *fakes, options=options)
+    return compile_on_shapes(kernel, [(shape, "float32") for shape in inputs + outputs],
+                             options)
 
 
 def compile_chunk_operands(lower_bound: float, scale: float, options: str = ""):
@@ -92,7 +90,12 @@ def compile_chunk_operands(lower_bound: float, scale: float, options: str = ""):
     (`ChunkOperands.shapes`)."""
     kernel = ChunkOperands(lower_bound, scale)
     inputs, outputs = kernel.shapes(*(cute.sym_int() for _ in range(4)))
+    return compile_on_shapes(kernel, inputs + outputs, options)
+
+
+def compile_on_shapes(kernel, operands, options: str = ""):
+    """`kernel` compiled on a stream and row-major tensors of (shape, dtype name)."""
     fakes = [make_fake_compact_tensor(DTYPES[dtype], shape,
                                       stride_order=tuple(reversed(range(len(shape)))),
-                                      assumed_align=16) for shape, dtype in inputs + outputs]
+                                      assumed_align=16) for shape, dtype in operands]
     return cute.compile(kernel, make_fake_stream(), *fakes, options=options)

@@ -8,28 +8,48 @@ and the state rows S [R, K] this CTA carries (value row, key column):
     u = u_v - w_k S^T,   o = gq S^T + Bm u,   S <- S diag(decay) + u^T tail
 
 A CTA owns R = 32 value rows of one (request, head): 4 CTAs per head, whose chunk
-operands w_k, gq, tail and Bm are the same (read once from HBM, then from L2). Its 256
-threads are two sides of 128: side 0 computes u and carries the state rows in
-registers, side 1 computes o; each side's products are FP32 fused multiply-adds in
-register tiles. The next chunk's operands are copied in (cp.async) while this one ends.
+operands w_k, gq, tail and Bm are the same (read once from HBM, then from L2). Every
+product runs on tensor cores in split TF32 (`primitives.mma_3xtf32`: FP32-faithful, FP32
+accumulation), by warp-level mma m16n8k8 tiles. Its 8 warps are two sides of 4: side 0
+computes u, side 1 o, a side's warp m over the tokens 16 m .. 16 m + 15; side s carries
+the state rows 16 s .. 16 s + 15 in its accumulators, its warp w keys 32 w .. 32 w + 31.
+The state and u are kept in shared memory already split, as the operands every warp
+reads. The next chunk's operands are copied in (cp.async) while this one ends.
+
+Fragments (PTX's m16n8k8 layouts; lane = 4 g + q): within a k-step of 8 the logical
+columns q and q + 4 are the physical ones 2 q and 2 q + 1, so that each pair is one
+8-byte load (the sum over k does not depend on its order). The pitches make every such
+load of a warp hit distinct banks.
 """
 from __future__ import annotations
 
 import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
-from cutlass import Float32, Int32
+from cutlass import Float32, Int32, Uint32
 
 from jax_kda.config import K
-from jax_kda.kernels.primitives import (aligned, cp_async_16, load_vec, row_major,
-                                        store_f32, store_vec, wide)
+from jax_kda.kernels.primitives import (aligned, cp_async_16, load_vec, mma_3xtf32,
+                                        row_major, split_tf32, store_vec, wide)
 
-THREADS = 256  # two sides of 128: two warps per scheduler hide each other's latency
+THREADS = 256  # two sides of 4 warps: one warp of each side per scheduler
 SIDE = 128
 ROWS = 32  # R: the state's value rows per CTA
-PAD = 4  # floats after each row of the state and of u^T: rows 16-byte units apart that
-# differ mod 8, so the 8 threads of a 16-byte load phase hit distinct banks
-TILE = 4  # tokens and rows per thread of a side's [C, R] products: [C / 16 x 4]
+# Row pitches (floats): a warp's 8-byte loads of rows g, columns 2 q hit distinct banks
+# where pitch = 8 (mod 32); tail's 4-byte loads of rows 2 q, columns g where 4 (mod 16).
+KEY_PITCH = K + 8  # w_k, gq and the split state: [rows, K]
+TOKEN_PITCH = 72  # Bm and the split u^T: [rows, C <= 64]
+ROW_PITCH = ROWS + 8  # u_v: [C, R]
+TAIL_PITCH = K + 4  # tail: [C, K]
+UNROLL = 4  # k-steps per loop iteration
+
+
+@cute.jit
+def store_pair(ptr, offset, x, y):
+    """x, y to ptr + offset, + 1: one 8-byte store."""
+    pair = cute.make_rmem_tensor(2, Float32)
+    pair[0], pair[1] = x, y
+    store_vec(ptr, offset, pair.load())
 
 
 class ChunkStates:
@@ -51,13 +71,14 @@ class ChunkStates:
                 [tokens, state])
 
     def buffers(self):
-        """The CTA's shared buffers, in allocation order: name -> shape (FP32); tokens
-        holds w_k (side 0's) and gq (side 1's); u_v's rows are padded by 2 PAD so that a
-        warp's scalar reads of 4 tokens x 8 rows hit 32 distinct banks."""
+        """The CTA's shared buffers, in allocation order: name -> (dtype, shape); tokens
+        holds w_k (side 0's) and gq (side 1's); s and ut hold the state and u^T as TF32
+        words, hi [0] and lo [1]."""
         C = self.chunk
-        return {"tokens": (2, C, K), "tail": (C, K), "bm": (C, C),
-                "u_v": (C, ROWS + 2 * PAD), "decay": (K,), "s": (ROWS, K + PAD),
-                "ut": (ROWS, C + PAD)}
+        return {"tokens": (Float32, (2, C, KEY_PITCH)), "tail": (Float32, (C, TAIL_PITCH)),
+                "bm": (Float32, (C, TOKEN_PITCH)), "u_v": (Float32, (C, ROW_PITCH)),
+                "decay": (Float32, (K,)), "s": (Uint32, (2, ROWS, KEY_PITCH)),
+                "ut": (Uint32, (2, ROWS, TOKEN_PITCH))}
 
     @cute.jit
     def __call__(self, stream: cuda.CUstream, u_v: cute.Tensor, w_k: cute.Tensor,
@@ -73,57 +94,79 @@ class ChunkStates:
     def kernel(self, u_v, w_k, gq, tail, decay, bm, state, o, state_out, chunks: Int32):
         tid, _, _ = cute.arch.thread_idx()
         block, head, request = cute.arch.block_idx()
-        side, lane = tid // SIDE, tid % SIDE
+        side, warp, lane = tid // SIDE, tid // 32 % 4, tid % 32
         item = wide(request) * cute.arch.grid_dim()[1] + head
         first = block * ROWS  # this CTA's first value row
         smem = self.shared_memory()
-        rows = self.load_state(state, smem, item, first, side, lane)
+        rows = self.load_state(state, smem, item, first, side, warp, lane)
         operands = (u_v, w_k, gq, tail, decay, bm)
         self.stage_products(smem, operands, item * chunks, first, tid)
         self.stage_updates(smem, operands, item * chunks, tid)
         for n in cutlass.range(chunks):
             cute.arch.cp_async_wait_group(1)  # this chunk's products' operands
             cute.arch.barrier()
-            dots = self.products(smem, side, lane)  # w_k S^T (side 0), gq S^T (side 1)
-            if side == 0:
-                self.corrections(smem, dots, lane)
+            dots = cute.make_rmem_tensor((ROWS // 8, 4), Float32)
+            if warp < self.chunk // 16:  # the warp has tokens (a chunk of C / 16 m-blocks)
+                self.products(smem, dots, side, warp, lane)  # w_k S^T, gq S^T
+                if side == 0:
+                    self.corrections(smem, dots, warp, lane)
             cute.arch.cp_async_wait_group(0)  # and its updates'
             cute.arch.barrier()
             if n + 1 < chunks:  # the next chunk's products' operands, while this one ends
                 self.stage_products(smem, operands, item * chunks + n + 1, first, tid)
-            if side == 0:
-                self.advance(smem, rows, lane)
-            else:
-                self.output(smem, dots, o, (item * chunks + n) * self.chunk, first, lane)
+            if (side == 1) & (warp < self.chunk // 16):
+                self.output(smem, dots, o, (item * chunks + n) * self.chunk, first, warp,
+                            lane)
+            self.advance(smem, rows, side, warp, lane)
             cute.arch.barrier()
             if n + 1 < chunks:
                 self.stage_updates(smem, operands, item * chunks + n + 1, tid)
-        if side == 0:
-            for j in cutlass.range_constexpr(ROWS // 4):
-                at = (item * K + first + lane // 32 + 4 * j) * K + (lane % 32) * 4
-                for q in cutlass.range_constexpr(4):
-                    store_f32(state_out, at + q, rows[j * 4 + q])
+        for nb, h in self.state_tiles():
+            row, key = self.state_entry(nb, h, side, warp, lane)
+            store_pair(state_out, (item * K + first + row) * K + key, rows[nb, h, 0],
+                       rows[nb, h, 1])
 
     @cute.jit
     def shared_memory(self):
         smem = cutlass.memory.SmemAllocator()
-        return {name: smem.allocate_tensor(Float32, row_major(*shape), byte_alignment=16)
-                for name, shape in self.buffers().items()}
+        return {name: smem.allocate_tensor(dtype, row_major(*shape), byte_alignment=16)
+                for name, (dtype, shape) in self.buffers().items()}
+
+    @staticmethod
+    def state_tiles():
+        """A warp's accumulator entries of S, two floats each: (n-block nb of 8 keys,
+        half h: rows + 8 h) of its side's 16 rows."""
+        return [(nb, h) for nb in range(4) for h in range(2)]
+
+    @staticmethod
+    def state_entry(nb, h, side, warp, lane):
+        """(row, key) of an accumulator pair: side s holds rows 16 s .. 16 s + 15, its
+        warp w keys 32 w .. 32 w + 31."""
+        return 16 * side + lane // 4 + 8 * h, 8 * (4 * warp + nb) + 2 * (lane % 4)
 
     @cute.jit
-    def load_state(self, state, smem, item, first, side, lane):
-        """Side 0's state entries (rows lane / 32 + 4 j, keys 4 (lane % 32) + 0..3) in
-        registers and in shared memory."""
-        rows = cute.make_rmem_tensor(ROWS, Float32)
-        if side == 0:
-            for j in cutlass.range_constexpr(ROWS // 4):
-                r = lane // 32 + 4 * j
-                vec = load_vec(state, (item * K + first + r) * K + (lane % 32) * 4, 4)
-                for q in cutlass.range_constexpr(4):
-                    rows[j * 4 + q] = vec[q]
-                store_vec(smem["s"].iterator, r * (K + PAD) + (lane % 32) * 4, vec)
+    def load_state(self, state, smem, item, first, side, warp, lane):
+        """The thread's accumulator entries of S from global memory, and the split S
+        into shared memory."""
+        rows = cute.make_rmem_tensor((4, 2, 2), Float32)
+        for nb, h in self.state_tiles():
+            row, key = self.state_entry(nb, h, side, warp, lane)
+            pair = load_vec(state, (item * K + first + row) * K + key, 2)
+            for e in cutlass.range_constexpr(2):
+                rows[nb, h, e] = pair[e]
+        self.store_split_state(smem, rows, side, warp, lane)
         cute.arch.barrier()
         return rows
+
+    @cute.jit
+    def store_split_state(self, smem, rows, side, warp, lane):
+        """S's split words into smem.s (hi, lo) from the accumulators."""
+        for nb, h in self.state_tiles():
+            row, key = self.state_entry(nb, h, side, warp, lane)
+            words = [split_tf32(rows[nb, h, e]) for e in range(2)]
+            for part in cutlass.range_constexpr(2):
+                for e in cutlass.range_constexpr(2):
+                    smem["s"][part, row, key + e] = words[e][part]
 
     @cute.jit
     def stage_products(self, smem, operands, chunk, first, tid):
@@ -132,10 +175,11 @@ class ChunkStates:
         u_v, w_k, gq = operands[:3]
         C: cutlass.Constexpr = self.chunk
         tokens = smem["tokens"]
-        self.copy_rows(tokens.iterator, K, w_k, chunk * (C * K), K, C, K, tid)
-        self.copy_rows(tokens.iterator + C * K, K, gq, chunk * (C * K), K, C, K, tid)
-        self.copy_rows(smem["u_v"].iterator, ROWS + 2 * PAD, u_v, chunk * (C * K) + first, K,
-                       C, ROWS, tid)
+        self.copy_rows(tokens.iterator, KEY_PITCH, w_k, chunk * (C * K), K, C, K, tid)
+        self.copy_rows(tokens.iterator + C * KEY_PITCH, KEY_PITCH, gq, chunk * (C * K), K,
+                       C, K, tid)
+        self.copy_rows(smem["u_v"].iterator, ROW_PITCH, u_v, chunk * (C * K) + first, K, C,
+                       ROWS, tid)
         cute.arch.cp_async_commit_group()
 
     @cute.jit
@@ -143,9 +187,10 @@ class ChunkStates:
         """cp.async of what `output` and `advance` read (tail, decay, Bm), one group."""
         tail, decay, bm = operands[3:]
         C: cutlass.Constexpr = self.chunk
-        self.copy_rows(smem["tail"].iterator, K, tail, chunk * (C * K), K, C, K, tid)
+        self.copy_rows(smem["tail"].iterator, TAIL_PITCH, tail, chunk * (C * K), K, C, K,
+                       tid)
         self.copy_rows(smem["decay"].iterator, K, decay, chunk * K, K, 1, K, tid)
-        self.copy_rows(smem["bm"].iterator, C, bm, chunk * (C * C), C, C, C, tid)
+        self.copy_rows(smem["bm"].iterator, TOKEN_PITCH, bm, chunk * (C * C), C, C, C, tid)
         cute.arch.cp_async_commit_group()
 
     @cute.jit
@@ -163,72 +208,97 @@ class ChunkStates:
                             aligned(src, base + r * stride + j * 4, 16))
 
     @cute.jit
-    def products(self, smem, side, lane):
-        """The side's tokens (w_k or gq) times S^T for this thread's tile: tokens
-        lane / 8 + 16 i, rows lane % 8 + 8 j."""
-        C: cutlass.Constexpr = self.chunk
-        I: cutlass.Constexpr = C // 16
-        dots = cute.make_rmem_tensor(I * TILE, Float32)
-        for a in cutlass.range_constexpr(I * TILE):
-            dots[a] = Float32(0.0)
-        tokens = smem["tokens"].iterator + side * (C * K)
-        for c in cutlass.range(0, K, 4, unroll=4):
-            keys = [load_vec(smem["s"].iterator, (lane % 8 + 8 * j) * (K + PAD) + c, 4)
-                    for j in range(TILE)]
-            lines = [load_vec(tokens, (lane // 8 + 16 * i) * K + c, 4) for i in range(I)]
-            for q in cutlass.range_constexpr(4):  # independent accumulators back to back
-                for i in cutlass.range_constexpr(I):
-                    for j in cutlass.range_constexpr(TILE):
-                        dots[i * TILE + j] = dots[i * TILE + j] + lines[i][q] * keys[j][q]
-        return dots
+    def a_split(self, buffer, pitch: cutlass.Constexpr, row0, col, lane):
+        """The split A fragment (hi, lo: 4 words each) of the FP32 rows row0 + g (+ 8),
+        physical columns col + 2 q (+ 1) of `buffer`."""
+        g, q = lane // 4, lane % 4
+        top = load_vec(buffer, (row0 + g) * pitch + col + 2 * q, 2)
+        bottom = load_vec(buffer, (row0 + g + 8) * pitch + col + 2 * q, 2)
+        words = [split_tf32(v) for v in (top[0], bottom[0], top[1], bottom[1])]
+        return [w[0] for w in words], [w[1] for w in words]
 
     @cute.jit
-    def corrections(self, smem, dots, lane):
-        """u = u_v - w_k S^T of side 0's tile into u^T (shared)."""
-        for i in cutlass.range_constexpr(self.chunk // 16):
-            t = lane // 8 + 16 * i
-            for j in cutlass.range_constexpr(TILE):
-                r = lane % 8 + 8 * j
-                smem["ut"][r, t] = smem["u_v"][t, r] - dots[i * TILE + j]
+    def b_words(self, split, pitch: cutlass.Constexpr, n0, col, lane):
+        """The B fragment (hi, lo: 2 words each) of B [k, n] = split [part, n0 + n, col + k]
+        from a split buffer: row n0 + g, physical columns col + 2 q (+ 1)."""
+        at = (n0 + lane // 4) * pitch + col + 2 * (lane % 4)
+        hi = load_vec(split.iterator, at, 2)
+        lo = load_vec(split.iterator + ROWS * pitch, at, 2)
+        return [hi[0], hi[1]], [lo[0], lo[1]]
 
     @cute.jit
-    def output(self, smem, inter, o, at, first, lane):
+    def accumulate(self, acc, tiles):
+        """acc [j, 0..3] += A_j B_j for the tiles (a_hi, a_lo, b_hi, b_lo) j (split
+        TF32)."""
+        d = mma_3xtf32([tile + ([acc[j, e] for e in range(4)],)
+                        for j, tile in enumerate(tiles)])
+        for j in cutlass.range_constexpr(len(tiles)):
+            for e in cutlass.range_constexpr(4):
+                acc[j, e] = d[j][e]
+
+    @cute.jit
+    def products(self, smem, dots, side, warp, lane):
+        """dots := the side's tokens (w_k or gq) times S^T for warp m's tile [16 tokens,
+        R rows]: 4 accumulators of 4 floats, n-block j holding rows 8 j + 2 q (+ 1) of
+        tokens 16 m + g (+ 8)."""
+        tokens = smem["tokens"].iterator + side * (self.chunk * KEY_PITCH)
+        dots.fill(0.0)
+        for col in cutlass.range(0, K, 8, unroll=UNROLL):
+            a = self.a_split(tokens, KEY_PITCH, 16 * warp, col, lane)
+            self.accumulate(dots, [a + self.b_words(smem["s"], KEY_PITCH, 8 * j, col, lane)
+                                   for j in range(ROWS // 8)])
+
+    @cute.jit
+    def corrections(self, smem, dots, warp, lane):
+        """u = u_v - w_k S^T of side 0's tile, split, into ut (u^T)."""
+        for j in cutlass.range_constexpr(ROWS // 8):
+            for h in cutlass.range_constexpr(2):
+                t = 16 * warp + lane // 4 + 8 * h
+                r = 8 * j + 2 * (lane % 4)
+                for e in cutlass.range_constexpr(2):
+                    words = split_tf32(smem["u_v"][t, r + e] - dots[j, 2 * h + e])
+                    for part in cutlass.range_constexpr(2):
+                        smem["ut"][part, r + e, t] = words[part]
+
+    @cute.jit
+    def output(self, smem, inter, o, at, first, warp, lane):
         """o = gq S^T + Bm u for side 1's tile, to global memory (FP32) from token row
         `at` on."""
-        C: cutlass.Constexpr = self.chunk
-        I: cutlass.Constexpr = C // 16
-        for s in cutlass.range(0, C, 4, unroll=2):
-            us = [load_vec(smem["ut"].iterator, (lane % 8 + 8 * j) * (C + PAD) + s, 4)
-                  for j in range(TILE)]
-            pairs = [load_vec(smem["bm"].iterator, (lane // 8 + 16 * i) * C + s, 4)
-                     for i in range(I)]
-            for q in cutlass.range_constexpr(4):
-                for i in cutlass.range_constexpr(I):
-                    for j in cutlass.range_constexpr(TILE):
-                        inter[i * TILE + j] = inter[i * TILE + j] + pairs[i][q] * us[j][q]
-        for i in cutlass.range_constexpr(I):
-            t = lane // 8 + 16 * i
-            for j in cutlass.range_constexpr(TILE):
-                store_f32(o, (at + t) * K + first + lane % 8 + 8 * j, inter[i * TILE + j])
+        for col in cutlass.range(0, self.chunk, 8, unroll=UNROLL):
+            a = self.a_split(smem["bm"].iterator, TOKEN_PITCH, 16 * warp, col, lane)
+            self.accumulate(inter, [a + self.b_words(smem["ut"], TOKEN_PITCH, 8 * j, col,
+                                                     lane) for j in range(ROWS // 8)])
+        for j in cutlass.range_constexpr(ROWS // 8):
+            for h in cutlass.range_constexpr(2):
+                t = 16 * warp + lane // 4 + 8 * h
+                store_pair(o, (at + t) * K + first + 8 * j + 2 * (lane % 4),
+                           inter[j, 2 * h], inter[j, 2 * h + 1])
 
     @cute.jit
-    def advance(self, smem, rows, lane):
-        """S <- S diag(decay) + u^T tail for side 0's entries, in registers and in shared
-        memory (read by the next chunk's `products`)."""
-        C: cutlass.Constexpr = self.chunk
-        col = (lane % 32) * 4
-        decay = load_vec(smem["decay"].iterator, col, 4)
-        for j in cutlass.range_constexpr(ROWS // 4):
-            for q in cutlass.range_constexpr(4):
-                rows[j * 4 + q] = rows[j * 4 + q] * decay[q]
-        for t in cutlass.range(0, C, 4, unroll=2):
-            keys = [load_vec(smem["tail"].iterator, (t + p) * K + col, 4) for p in range(4)]
-            us = [load_vec(smem["ut"].iterator, (lane // 32 + 4 * j) * (C + PAD) + t, 4)
-                  for j in range(ROWS // 4)]
-            for p in cutlass.range_constexpr(4):
-                for j in cutlass.range_constexpr(ROWS // 4):
-                    for q in cutlass.range_constexpr(4):
-                        rows[j * 4 + q] = rows[j * 4 + q] + us[j][p] * keys[p][q]
-        for j in cutlass.range_constexpr(ROWS // 4):
-            for q in cutlass.range_constexpr(4):
-                smem["s"][lane // 32 + 4 * j, col + q] = rows[j * 4 + q]
+    def advance(self, smem, rows, side, warp, lane):
+        """S <- S diag(decay) + u^T tail for the thread's accumulators (side s: rows
+        16 s .. 16 s + 15, its warp w keys 32 w .. 32 w + 31), then split into shared
+        memory for the next chunk."""
+        g, q = lane // 4, lane % 4
+        for nb, h in self.state_tiles():
+            _, key = self.state_entry(nb, h, side, warp, lane)
+            decay = load_vec(smem["decay"].iterator, key, 2)
+            for e in cutlass.range_constexpr(2):
+                rows[nb, h, e] = rows[nb, h, e] * decay[e]
+        for col in cutlass.range(0, self.chunk, 8, unroll=UNROLL):
+            top_hi, top_lo = self.b_words(smem["ut"], TOKEN_PITCH, 16 * side, col, lane)
+            bottom_hi, bottom_lo = self.b_words(smem["ut"], TOKEN_PITCH, 16 * side + 8, col,
+                                                lane)
+            a_hi = [top_hi[0], bottom_hi[0], top_hi[1], bottom_hi[1]]  # A = u^T: a_split's
+            a_lo = [top_lo[0], bottom_lo[0], top_lo[1], bottom_lo[1]]  # order, pre-split
+            tiles = []
+            for nb in cutlass.range_constexpr(4):
+                key = 8 * (4 * warp + nb) + g
+                words = [split_tf32(smem["tail"][col + 2 * q + e, key]) for e in range(2)]
+                tiles.append((a_hi, a_lo, [w[0] for w in words], [w[1] for w in words],
+                              [rows[nb, e // 2, e % 2] for e in range(4)]))
+            d = mma_3xtf32(tiles)
+            for nb in cutlass.range_constexpr(4):
+                for e in cutlass.range_constexpr(4):
+                    rows[nb, e // 2, e % 2] = d[nb][e]
+        self.store_split_state(smem, rows, side, warp, lane)

@@ -1,6 +1,6 @@
 """Device helpers of the KDA kernels (CuTe DSL, sm_90a): memory access by raw element
-offsets, cp.async, bf16 tensor-core mma, warp reductions, DSMEM pushes and the
-pointwise math at the stock rounding points.
+offsets, cp.async, bf16 and split-TF32 tensor-core mma, warp reductions, DSMEM pushes
+and the pointwise math at the stock rounding points.
 
 Global arrays are addressed as `base pointer + Int64 element offset` computed by the
 caller from the static sizes (H, K, RQ), so that one compiled kernel serves any number
@@ -120,6 +120,38 @@ def mma_bf16(a, b, c):
         "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {{$w0}, {$w1}, {$w2}, {$w3}}, "
         "{{$r0}, {$r1}, {$r2}, {$r3}}, {{$r4}, {$r5}}, {{$r6}, {$r7}, {$r8}, {$r9}};",
         write_only_types=[Float32] * 4, read_only_args=[*a, *b, *c])
+
+
+def split_tf32(x):
+    """(hi, lo) TF32 words of the FP32 x with hi + lo = x exactly: hi its top 19 bits, lo
+    the rest as an FP32 word, whose bits past TF32's the tensor cores ignore (lo is below
+    2^-10 |x|: what is lost is below 2^-20 |x|)."""
+    return cute.arch.inline_ptx(
+        "{ .reg .f32 h, l; and.b32 {$w0}, {$r0}, 0xffffe000; mov.b32 h, {$w0}; "
+        "sub.f32 l, {$r0}, h; mov.b32 {$w1}, l; }",
+        write_only_types=[Uint32, Uint32], read_only_args=[x])
+
+
+def mma_tf32(a, b, c):
+    """D = A B + C, m16n8k8: a 4 Uint32 (TF32), b 2 Uint32, c 4 Float32 -> 4 Float32."""
+    return cute.arch.inline_ptx(
+        "mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {{$w0}, {$w1}, {$w2}, {$w3}}, "
+        "{{$r0}, {$r1}, {$r2}, {$r3}}, {{$r4}, {$r5}}, {{$r6}, {$r7}, {$r8}, {$r9}};",
+        write_only_types=[Float32] * 4, read_only_args=[*a, *b, *c])
+
+
+def mma_3xtf32(tiles):
+    """D = A B + C of each tile (a_hi, a_lo, b_hi, b_lo, c) in split TF32 (`split_tf32`
+    words): a_lo b_hi + a_hi b_lo + a_hi b_hi, small terms first, into FP32 accumulators
+    (a_lo b_lo, below 2^-20 |a b|, is left out: each product within 2^-18 |a b|); term by
+    term across the tiles, so that independent mma issue back to back. Returns the D of
+    each."""
+    acc = [tile[4] for tile in tiles]
+    for term in range(3):
+        for i, (a_hi, a_lo, b_hi, b_lo, _) in enumerate(tiles):
+            a, b = (a_lo, b_hi) if term == 0 else (a_hi, b_lo) if term == 1 else (a_hi, b_hi)
+            acc[i] = mma_tf32(a, b, acc[i])
+    return acc
 
 
 def transpose_sum(values, lane, width=32):

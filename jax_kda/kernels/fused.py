@@ -856,9 +856,6 @@ class FusedVerify:
         T: cutlass.Constexpr = self.tokens
         RPT: cutlass.Constexpr = self.rows_per_thread
         LANES: cutlass.Constexpr = self.lanes
-        RC: cutlass.Constexpr = self.rows
-        staged, xvec, kp, old_u = smem.staged, smem.xvec, smem.kp, smem.old_u
-        decay_n, dots = smem.decay_n, smem.dots
         base = self.offset("state", slot, head, row0)
         # where 2T x RPT accumulators fill the registers (T = 5), the rows are loaded
         # after the replay's sums, not before: fewer values live across that loop
@@ -878,37 +875,54 @@ class FusedVerify:
                 order = c ^ (row_in % 2)
             key = 4 * (lane_in + LANES * order)
             rows = cute.make_rmem_tensor((RPT, 4), Float32)
-            replayed = cute.make_rmem_tensor((RPT, 4), Float32)
             if cutlass.const_expr(not late_rows):
-                self.load_rows(rows, staged, first_row, key)
-            if n > 0:  # token 0's products start the sums: no zeroed accumulators
-                k4 = load_vec(kp.iterator, key, 4)
-                u = load_vec(old_u.iterator, first_row, RPT)
-                for r in cutlass.range_constexpr(RPT):
-                    for e in cutlass.range_constexpr(4):
-                        replayed[r, e] = cute.math.fma(u[r], k4[e], Float32(0.0))
-            else:
-                replayed.fill(0.0)
-            for t in range(1, n):
-                k4 = load_vec(kp.iterator, t * K + key, 4)
-                u = load_vec(old_u.iterator, t * RC + first_row, RPT)
-                for r in cutlass.range_constexpr(RPT):
-                    for e in cutlass.range_constexpr(4):
-                        replayed[r, e] = cute.math.fma(u[r], k4[e], replayed[r, e])
+                self.load_rows(rows, smem.staged, first_row, key)
+            replayed = self.replayed(smem.kp, smem.old_u, n, first_row, key)
             if cutlass.const_expr(late_rows):
-                self.load_rows(rows, staged, first_row, key)
-            d4 = load_vec(decay_n.iterator, key, 4)
+                self.load_rows(rows, smem.staged, first_row, key)
+            d4 = load_vec(smem.decay_n.iterator, key, 4)
             for r in cutlass.range_constexpr(RPT):
                 for e in cutlass.range_constexpr(4):
                     rows[r, e] = cute.math.fma(rows[r, e], d4[e], replayed[r, e])
                 target = aligned(state, base + (first_row + r) * K + key, 16)
                 store_f32x4_if(target, [rows[r, e] for e in range(4)], write)
             for j in cutlass.range_constexpr(2 * T):
-                x4 = load_vec(xvec.iterator, j * K + key, 4)
+                x4 = load_vec(smem.xvec.iterator, j * K + key, 4)
                 for r in cutlass.range_constexpr(RPT):
                     for e in cutlass.range_constexpr(4):
                         acc[r, j] = cute.math.fma(rows[r, e], x4[e], acc[r, j])
-        # the LANES partial sums of each (row, dot) meet in one lane of the row's group
+        self.row_dots(smem.dots, acc, first_row, lane_in, tid)
+
+    @cute.jit
+    def replayed(self, kp, old_u, n, first_row, key):
+        """sum_{t < n} u_t[r] (kn_t P_t)[key .. key + 3] for this thread's rows
+        first_row + r: [RPT, 4]."""
+        RPT: cutlass.Constexpr = self.rows_per_thread
+        RC: cutlass.Constexpr = self.rows
+        replayed = cute.make_rmem_tensor((RPT, 4), Float32)
+        if n > 0:  # token 0's products start the sums: no zeroed accumulators
+            k4 = load_vec(kp.iterator, key, 4)
+            u = load_vec(old_u.iterator, first_row, RPT)
+            for r in cutlass.range_constexpr(RPT):
+                for e in cutlass.range_constexpr(4):
+                    replayed[r, e] = cute.math.fma(u[r], k4[e], Float32(0.0))
+        else:
+            replayed.fill(0.0)
+        for t in range(1, n):
+            k4 = load_vec(kp.iterator, t * K + key, 4)
+            u = load_vec(old_u.iterator, t * RC + first_row, RPT)
+            for r in cutlass.range_constexpr(RPT):
+                for e in cutlass.range_constexpr(4):
+                    replayed[r, e] = cute.math.fma(u[r], k4[e], replayed[r, e])
+        return replayed
+
+    @cute.jit
+    def row_dots(self, dots, acc, first_row, lane_in, tid):
+        """The LANES partial sums acc [RPT, 2T] of each (row, dot) meet in one lane of the
+        row's group, into dots [first_row + r, j]."""
+        T: cutlass.Constexpr = self.tokens
+        RPT: cutlass.Constexpr = self.rows_per_thread
+        LANES: cutlass.Constexpr = self.lanes
         count: cutlass.Constexpr = RPT * 2 * T
         per_lane: cutlass.Constexpr = -(-count // LANES)
         totals = transpose_sum([acc[r, j] for r in range(RPT) for j in range(2 * T)]

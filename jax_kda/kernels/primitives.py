@@ -114,12 +114,18 @@ def store_f32x4_if(gmem_ptr, values, predicate):
                          read_only_args=[gmem_ptr, *values], predicate=Boolean(predicate))
 
 
-def mma_bf16(a, b, c):
-    """D = A B + C, m16n8k16: a 4 Uint32 (bf16x2), b 2 Uint32, c 4 Float32 -> 4 Float32."""
+def mma(shape_types, a, b, c):
+    """D = A B + C by one warp-level `mma.sync.aligned.<shape_types>` of 4 A words, 2 B
+    words and 4 FP32 accumulators (m16n8k16 bf16, m16n8k8 tf32) -> 4 Float32."""
     return cute.arch.inline_ptx(
-        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {{$w0}, {$w1}, {$w2}, {$w3}}, "
+        f"mma.sync.aligned.{shape_types} {{{{$w0}}, {{$w1}}, {{$w2}}, {{$w3}}}}, "
         "{{$r0}, {$r1}, {$r2}, {$r3}}, {{$r4}, {$r5}}, {{$r6}, {$r7}, {$r8}, {$r9}};",
         write_only_types=[Float32] * 4, read_only_args=[*a, *b, *c])
+
+
+def mma_bf16(a, b, c):
+    """D = A B + C, m16n8k16: a 4 Uint32 (bf16x2), b 2 Uint32, c 4 Float32 -> 4 Float32."""
+    return mma("m16n8k16.row.col.f32.bf16.bf16.f32", a, b, c)
 
 
 def split_tf32(x):
@@ -134,10 +140,7 @@ def split_tf32(x):
 
 def mma_tf32(a, b, c):
     """D = A B + C, m16n8k8: a 4 Uint32 (TF32), b 2 Uint32, c 4 Float32 -> 4 Float32."""
-    return cute.arch.inline_ptx(
-        "mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {{$w0}, {$w1}, {$w2}, {$w3}}, "
-        "{{$r0}, {$r1}, {$r2}, {$r3}}, {{$r4}, {$r5}}, {{$r6}, {$r7}, {$r8}, {$r9}};",
-        write_only_types=[Float32] * 4, read_only_args=[*a, *b, *c])
+    return mma("m16n8k8.row.col.f32.tf32.tf32.f32", a, b, c)
 
 
 def mma_3xtf32(tiles):

@@ -8,6 +8,9 @@ alternating ROUNDS times so that clock and thermal drift fall on all of them.
       | sed 's/jax_kda.kernels.primitives/primitives/' > /tmp/base/$f.py; done
     JAX_PLATFORMS=cpu python benchmarks/compare.py --baseline /tmp/base 64,4,1 1,4,2
 
+A point B,T,SPLIT,C,N runs the lazy checkpoint (checkpoint_every C) with every request
+holding N kept tokens, as in `timeline.py`.
+
 A build must have this checkout's interface: `FusedVerify(config, split, has_bias, *,
 timeline, solo, stacked)` with the `config`, `has_bias`, `stacked` and `timeline`
 attributes, launched as (stream, *operands) in `jax_kda.operands` order (a [1] int32
@@ -125,8 +128,10 @@ def main():
     print(torch.cuda.get_device_name(0))
     rows = []
     for text in args.points:
-        B, T, split = (int(v) for v in text.split(","))
-        point = Point(B, T, split)
+        B, T, split, *lazy = (int(v) for v in text.split(","))
+        point = Point(B, T, split, *lazy[:1])
+        if lazy[1:]:
+            point.hold(lazy[1])
         compiled = builds(point.config, others, point.solo)
         steps = {name: one_step(point, c) for name, c in compiled.items()}
         times = {name: [] for name in compiled}
@@ -139,7 +144,7 @@ def main():
                                               before=before))
         if alone:
             times = {name: [t - a for t, a in zip(ts, alone)] for name, ts in times.items()}
-        row = dict(B=B, T=T, split=split,
+        row = dict(B=B, T=T, split=split, lazy=lazy,
                    us={name: statistics.median(t) for name, t in times.items()},
                    spread_us={name: max(t) - min(t) for name, t in times.items()},
                    differences={name: differences(steps[name], steps["this"])
@@ -164,7 +169,8 @@ def main():
                                      or "none") for n, d in r["differences"].items())
         bad = ", ".join(f"{n} {c}" for n, c in r["unwritten"].items() if c)
         ghz = ("   GHz " + " ".join(f"{r['ghz'][n]:.3f}" for n in names)) if "ghz" in r else ""
-        print(f"{r['B']:>4},{r['T']},{r['split']:<3} " + " ".join(f"{c:>12}" for c in cells)
+        name = ",".join(str(v) for v in (r['T'], r['split'], *r['lazy']))
+        print(f"{r['B']:>4},{name:<7} " + " ".join(f"{c:>12}" for c in cells)
               + f"   {diff}" + (f"; outputs unwritten: {bad}" if bad else "") + ghz)
 
 

@@ -2,7 +2,7 @@
 kernel through the eager DLPack path on torch tensors, for each split, with every edge
 case in the batch (padding rows, no records, out-of-range slot and record row), then
 two steps of the stacked-layer kernel on a stacked cache, one in range and one with
-an out-of-range layer (every row padding); each with checkpoint_every 1 and 2 (the
+an out-of-range layer (every row padding); each with checkpoint_every 1, 2 and 4 (the
 record rows' kept counts spread over 0..RQ: verifies that keep and ones that write).
 The data is built on the CPU, so that the only GPU work is the kernel and the copies.
 
@@ -53,7 +53,7 @@ def cache_of(config, key, layers=None):
 
 
 def main(splits):
-    for split, every in ((split, every) for split in splits for every in (1, 2)):
+    for split, every in ((split, every) for split in splits for every in (1, 2, 4)):
         config = KdaConfig(heads=2, tokens=4, split=split, checkpoint_every=every)
         name = f"split {split}, checkpoint_every {every}"
         key = jax.random.key(split)

@@ -10,7 +10,10 @@ phase, the CTAs resident per SM, the share of the SMs' CTA slots busy and waitin
 launch, how often CTAs sharing an SM run their state passes together, and the kernel
 time of the same build without stamps, and writes every stamp to --out.
 
-    JAX_PLATFORMS=cpu python benchmarks/timeline.py [--out DIR] [--serial] [B,T,SPLIT ...]
+    JAX_PLATFORMS=cpu python benchmarks/timeline.py [--out DIR] [--serial] [B,T,SPLIT[,C,N] ...]
+
+A point B,T,SPLIT,C,N runs the lazy checkpoint (checkpoint_every C) with every request
+holding N kept tokens: N + T <= C T is a keep step (the state read, not written).
 """
 import argparse
 import functools
@@ -124,8 +127,10 @@ class Point:
         return replay
 
 
-def run_point(B, T, split, serial=False):
-    point = Point(B, T, split)
+def run_point(B, T, split, serial=False, checkpoint_every=1, kept=None):
+    point = Point(B, T, split, checkpoint_every)
+    if kept is not None:
+        point.hold(kept)
     stamps = torch.zeros((B * H * split, STAMPS), dtype=torch.int64, device="cuda")
     result = {}
     for timeline in (False, True):
@@ -197,13 +202,15 @@ def main():
         pathlib.Path(args.out).mkdir(parents=True, exist_ok=True)
     rows = []
     for point in args.points:
-        B, T, split = (int(v) for v in point.split(","))
-        r = run_point(B, T, split, args.serial)
-        rows.append(dict(B=B, T=T, split=split, us=r["us"], us_stamped=r["us_stamped"],
+        B, T, split, *lazy = (int(v) for v in point.split(","))
+        r = run_point(B, T, split, args.serial, *lazy)
+        rows.append(dict(B=B, T=T, split=split, lazy=lazy, us=r["us"],
+                         us_stamped=r["us_stamped"],
                          **summarize(r["stamps"], r["us_stamped"]),
                          **neighbours(r["stamps"])))
         if args.out:
-            np.save(pathlib.Path(args.out) / f"stamps_{B}_{T}_{split}.npy", r["stamps"])
+            name = "_".join(str(v) for v in (B, T, split, *lazy))
+            np.save(pathlib.Path(args.out) / f"stamps_{name}.npy", r["stamps"])
         print(json.dumps(rows[-1]), flush=True)
     if args.out:
         (pathlib.Path(args.out) / "timeline.json").write_text(json.dumps(rows, indent=1))
@@ -211,7 +218,8 @@ def main():
           f"{'wait':>5} {'pass':>5} {'both':>5}  "
           + " ".join(f"{i:>5}" for i in range(len(PHASE_NAMES))))
     for r in rows:
-        print(f"{r['B']:>4},{r['T']},{r['split']:<4} {r['us']:7.2f} "
+        name = ",".join(str(v) for v in (r['T'], r['split'], *r['lazy']))
+        print(f"{r['B']:>4},{name:<7} {r['us']:7.2f} "
               f"{r['us_stamped']:7.2f} {r['life_us']:6.2f} {r['resident']:4.2f} "
               f"{r['busy']:5.1%} {r['waiting']:5.1%} {r['pass_share']:5.1%} "
               f"{r['pass_shared']:5.1%}  "

@@ -208,7 +208,7 @@ def test_parity_long_records_and_clamped_pending(split):
     run_episode(config, seed=32, pending_shift=-4)
 
 
-LAZY = [(4, 2, 1), (4, 2, 2), (2, 4, 1), (4, 4, 4), (8, 2, 8), (3, 3, 2)]
+LAZY = [(4, 2, 1), (4, 2, 2), (2, 4, 1), (4, 4, 1), (4, 4, 4), (8, 2, 8), (3, 3, 2)]
 
 
 @pytest.mark.parametrize("tokens,every,split", LAZY,

@@ -271,12 +271,12 @@ def test_solo_build_takes_an_sm():
 
 
 def test_kernel_split_fits_the_shared_memory():
-    """Long records outgrow one CTA's shared memory at split 1 (RQ = 64): split None
-    moves up to the next split that fits, an explicit split 1 is refused with the need
-    named; at RQ = T the heuristic's split stands."""
-    long = KdaConfig(heads=2, tokens=2, record_tokens=64)
+    """Long records outgrow one CTA's shared memory at splits 1 and 2 (RQ = 96): split
+    None moves up to the next split that fits, an explicit split 1 is refused with the
+    need named; at RQ = T the heuristic's split stands."""
+    long = KdaConfig(heads=2, tokens=2, record_tokens=96)
     assert choose_split(64 * 2, 132) == 1
-    assert kernel_split(long, 64, sms=132) == 2
+    assert kernel_split(long, 64, sms=132) == 4
     with pytest.raises(ValueError, match=r"split=1 needs 2\d\d KiB of shared memory"):
         kernel_split(dataclasses.replace(long, split=1), 64)
     assert kernel_split(KdaConfig(heads=32, tokens=8), 64, sms=132) == 1

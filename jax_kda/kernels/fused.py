@@ -37,6 +37,7 @@ from jax_kda.kernels.primitives import (RN, aligned, bulk_copy, cp_async_16, dec
 THREADS = 256
 CROWDED_CTAS_PER_SM = 8  # above it (at T <= 4) the state is requested with the operands
 STAMPS = 16  # int64 per CTA in the timeline build: SM id, two global times, Phase clocks
+RECORDS_READ = 1  # the named barrier of section 1 in `load_records` (0: the CTA's)
 
 
 class Phase(enum.IntEnum):
@@ -77,7 +78,7 @@ Shared = collections.namedtuple("Shared", (
     "staged", "x_in", "records_in", "window", "xvec", "dots", "gate_in", "kp",
     "old_decays", "decay_n", "old_u", "decays", "raw_gates", "values_v", "norm_sums",
     "old_sums", "pairs", "pair_sums", "betas", "out_sums", "received", "exchange",
-    "state_arrived", "gates_arrived"))
+    "state_arrived", "gates_arrived", "kx"), defaults=(None,))  # kx: lazy builds only
 
 
 class Item(NamedTuple):
@@ -147,11 +148,11 @@ class FusedVerify:
         return (self.rows, K)
 
     def early_buffers(self):
-        """Staged operands read before the state pass: the inputs x [T, 3, K], the records
-        [RQ, 2, K] and the window [3, K, W], last: it is copied out while section 0 writes
-        the first late buffer, which x and the records outsize."""
-        T, RQ, W = self.tokens, self.record_tokens, self.config.window
-        return [(BFloat16, (T, 3, K)), (BFloat16, (RQ, 2, K)), (BFloat16, (3, K, W))]
+        """Staged operands read before the state pass: the inputs x [T, 3, K] and the
+        window [3, K, W], last: it is copied out while section 0 writes the first late
+        buffer, which x outsizes. (The records are staged over old_decays: `records`.)"""
+        T, W = self.tokens, self.config.window
+        return [(BFloat16, (T, 3, K)), (BFloat16, (3, K, W))]
 
     def late_buffers(self):
         """Written from the state pass on: Gamma k and Gamma q [2T, K] and the rows' dots
@@ -172,7 +173,8 @@ class FusedVerify:
                 "norm_sums": (Float32, (T, 2, 4)), "old_sums": (Float32, (RQ, 4)),
                 "pairs": (Float32, (NP, 4)), "pair_sums": (Float32, (NP,)),
                 "betas": (Float32, (T,)), "out_sums": (Float32, (T, 4)),
-                "received": (Float32, (self.split, T))}
+                "received": (Float32, (self.split, T)),
+                **({"kx": (Float32, (RQ, 2 * T))} if self.lazy and 2 * RQ > K else {})}
 
     BARRIERS = ("exchange", "state_arrived", "gates_arrived")  # one mbarrier each
 
@@ -295,12 +297,13 @@ class FusedVerify:
         self.write_records(ptr, activations, smem.raw_gates, smem.window, item, base, head,
                            rank, tid)
         self.vectors(smem, activations, n, tid)
+        low_rank = self.low_rank(smem, n, write, tid)
         self.stamp(timeline, Phase.VECTORS_READY, tid)
-        self.state_pass(ptr.state, smem, item.slot, n, write, head, rank * self.rows,
-                        timeline, tid)
+        self.state_pass(ptr.state, smem, item.slot, n, write, low_rank, head,
+                        rank * self.rows, timeline, tid)
         cute.arch.barrier()
         self.stamp(timeline, Phase.STATE_PASSED, tid)
-        outs, gated = self.solve_rows(ptr.corrections, smem, item, base, head,
+        outs, gated = self.solve_rows(ptr.corrections, smem, item, n, low_rank, base, head,
                                       rank * self.rows, tid)
         self.stamp(timeline, Phase.SOLVED, tid)
         self.gated_norm(ptr.out, outs, gated, smem, weights.scalars[2], request, head, rank,
@@ -332,11 +335,24 @@ class FusedVerify:
         staged = smem.allocate_tensor(Float32, row_major(*self.staged_shape()),
                                       byte_alignment=128)
         scratch = smem.allocate(self.scratch_bytes(), byte_alignment=128)
-        buffers = [smem.allocate_tensor(dtype, row_major(*shape), byte_alignment=16)
-                   for dtype, shape in self.shared_buffers().values()]
-        barriers = [smem.allocate_array(Int64, 1, byte_alignment=8) for _ in self.BARRIERS]
-        return Shared(staged, *carve(scratch, self.early_buffers()),
-                      *carve(scratch, self.late_buffers()), *buffers, *barriers)
+        buffers = {name: smem.allocate_tensor(dtype, row_major(*shape), byte_alignment=16)
+                   for name, (dtype, shape) in self.shared_buffers().items()}
+        barriers = {name: smem.allocate_array(Int64, 1, byte_alignment=8)
+                    for name in self.BARRIERS}
+        x_in, window = carve(scratch, self.early_buffers())
+        xvec, dots = carve(scratch, self.late_buffers())
+        if cutlass.const_expr(self.lazy and "kx" not in buffers):  # over the read decays
+            buffers["kx"] = cute.make_tensor(buffers["decays"].iterator,
+                                             row_major(self.record_tokens, 2 * self.tokens))
+        return Shared(staged=staged, x_in=x_in, records_in=self.records(buffers["old_decays"]),
+                      window=window, xvec=xvec, dots=dots, **buffers, **barriers)
+
+    def records(self, old_decays):
+        """The staged records [RQ, 2, K] bf16 over old_decays [RQ, K] f32: record t and
+        old_decays' row t are the same 4 K bytes, so `load_records` may write a token's
+        decays once every thread has read its record."""
+        return cute.make_tensor(cute.recast_ptr(old_decays.iterator, dtype=BFloat16),
+                                row_major(self.record_tokens, 2, K))
 
     @cute.jit
     def arm(self, barrier, tx_bytes: cutlass.Constexpr, tid):
@@ -706,6 +722,8 @@ class FusedVerify:
                 tokens = range(first, min(first + 8, RQ))
                 gates = [Float32(cutlass.select_(t < n, Float32(records_in[t, 1, channel]),
                                                  Float32(0.0))) for t in tokens]
+                # the batch's records read by every thread before its decays overwrite them
+                cute.arch.barrier(barrier_id=RECORDS_READ, number_of_threads=K)
                 recorded = decays(gates, a_exp, [dt_channel] * len(gates), self.lower_bound)
                 for t, d in zip(tokens, recorded):
                     if t < n:
@@ -849,9 +867,10 @@ class FusedVerify:
         decay_n[channel] = suffix
 
     @cute.jit
-    def state_pass(self, state, smem, slot, n, write, head, row0, timeline, tid):
+    def state_pass(self, state, smem, slot, n, write, low_rank, head, row0, timeline, tid):
         """Per 4-key chunk of this thread's rows: S_n = S_0 D_n + sum_t u_t (kn_t P_t),
-        written back if `write`, and the 2T dot products with Gamma k and Gamma q; the
+        written back if `write`, and the 2T dot products with Gamma k and Gamma q (where
+        `low_rank`, S_0 against D_n Gamma k and D_n Gamma q instead: `low_rank`); the
         LANES partial dots of a row are then summed into dots[row]."""
         T: cutlass.Constexpr = self.tokens
         RPT: cutlass.Constexpr = self.rows_per_thread
@@ -877,21 +896,75 @@ class FusedVerify:
             rows = cute.make_rmem_tensor((RPT, 4), Float32)
             if cutlass.const_expr(not late_rows):
                 self.load_rows(rows, smem.staged, first_row, key)
-            replayed = self.replayed(smem.kp, smem.old_u, n, first_row, key)
-            if cutlass.const_expr(late_rows):
-                self.load_rows(rows, smem.staged, first_row, key)
-            d4 = load_vec(smem.decay_n.iterator, key, 4)
-            for r in cutlass.range_constexpr(RPT):
-                for e in cutlass.range_constexpr(4):
-                    rows[r, e] = cute.math.fma(rows[r, e], d4[e], replayed[r, e])
-                target = aligned(state, base + (first_row + r) * K + key, 16)
-                store_f32x4_if(target, [rows[r, e] for e in range(4)], write)
-            for j in cutlass.range_constexpr(2 * T):
-                x4 = load_vec(smem.xvec.iterator, j * K + key, 4)
-                for r in cutlass.range_constexpr(RPT):
-                    for e in cutlass.range_constexpr(4):
-                        acc[r, j] = cute.math.fma(rows[r, e], x4[e], acc[r, j])
+            if cutlass.const_expr(self.lazy):
+                if low_rank:
+                    if cutlass.const_expr(late_rows):
+                        self.load_rows(rows, smem.staged, first_row, key)
+                    self.add_dots(acc, rows, smem.xvec, key,
+                                  load_vec(smem.decay_n.iterator, key, 4))
+                else:
+                    self.fold(rows, state, smem, n, write, late_rows, base, first_row, key)
+                    self.add_dots(acc, rows, smem.xvec, key)
+            else:
+                self.fold(rows, state, smem, n, write, late_rows, base, first_row, key)
+                self.add_dots(acc, rows, smem.xvec, key)
         self.row_dots(smem.dots, acc, first_row, lane_in, tid)
+
+    @cute.jit
+    def fold(self, rows, state, smem, n, write, late_rows: cutlass.Constexpr, base,
+             first_row, key):
+        """rows [RPT, 4] := S_n at keys key .. key + 3 (the staged S_0 times D_n plus the
+        replayed records), stored to the checkpoint if `write`."""
+        RPT: cutlass.Constexpr = self.rows_per_thread
+        replayed = self.replayed(smem.kp, smem.old_u, n, first_row, key)
+        if cutlass.const_expr(late_rows):
+            self.load_rows(rows, smem.staged, first_row, key)
+        d4 = load_vec(smem.decay_n.iterator, key, 4)
+        for r in cutlass.range_constexpr(RPT):
+            for e in cutlass.range_constexpr(4):
+                rows[r, e] = cute.math.fma(rows[r, e], d4[e], replayed[r, e])
+            target = aligned(state, base + (first_row + r) * K + key, 16)
+            store_f32x4_if(target, [rows[r, e] for e in range(4)], write)
+
+    @cute.jit
+    def add_dots(self, acc, rows, xvec, key, scale=None):
+        """acc [RPT, 2T] += rows [RPT, 4] . x_j at keys key .. key + 3 for the 2T vectors
+        of xvec, each element times scale [4] where given."""
+        for j in cutlass.range_constexpr(2 * self.tokens):
+            x4 = load_vec(xvec.iterator, j * K + key, 4)
+            xs = [x4[e] for e in range(4)] if scale is None else [
+                x4[e] * scale[e] for e in range(4)]
+            for r in cutlass.range_constexpr(self.rows_per_thread):
+                for e in cutlass.range_constexpr(4):
+                    acc[r, j] = cute.math.fma(rows[r, e], xs[e], acc[r, j])
+
+    @cute.jit
+    def low_rank(self, smem, n, write, tid):
+        """Whether the state pass takes the keep step's low-rank form (lazy builds: the
+        state not written and records kept), S_n x = S_0 (D_n x) + U_n (Kp_n^T x); if so
+        kx [t, j] := kp_t . x_j for t < RQ (rows t >= n unused), a warp per share of the
+        RQ 2T pairs, a lane per 4 keys."""
+        if cutlass.const_expr(not self.lazy):
+            return False
+        low_rank = (write == False) & (n > 0)  # noqa: E712 - a device Boolean
+        if low_rank:
+            RQ: cutlass.Constexpr = self.record_tokens
+            J: cutlass.Constexpr = 2 * self.tokens
+            per_warp: cutlass.Constexpr = -(-RQ * J // (THREADS // 32))
+            lane, warp = tid % 32, tid // 32
+            for first in cutlass.range_constexpr(0, per_warp, 32):
+                count: cutlass.Constexpr = min(32, per_warp - first)
+                partial = []
+                for i in cutlass.range_constexpr(count):
+                    pair = cutlass.min(warp * per_warp + first + i, Int32(RQ * J - 1))
+                    k4 = load_vec(smem.kp.iterator, (pair // J) * K + 4 * lane, 4)
+                    x4 = load_vec(smem.xvec.iterator, (pair % J) * K + 4 * lane, 4)
+                    partial.append(tree_sum([k4[e] * x4[e] for e in range(4)]))
+                total, index, holds = warp_totals(partial, lane)
+                pair = warp * per_warp + first + index
+                if holds & (pair < RQ * J):
+                    smem.kx[pair // J, pair % J] = total
+        return low_rank
 
     @cute.jit
     def replayed(self, kp, old_u, n, first_row, key):
@@ -942,11 +1015,12 @@ class FusedVerify:
                 rows[r, e] = v[e]
 
     @cute.jit
-    def solve_rows(self, corrections, smem, item, base, head, row0, tid):
+    def solve_rows(self, corrections, smem, item, n, low_rank, base, head, row0, tid):
         """Per state row (thread < RC): the T x T forward substitution for u_t, u_t into
         the records at positions base + t; returns the outputs o_t (bf16) and the output
         gates sigmoid(gate_t) of the row, which `vectors` left in old_decays [T, RC]
-        (zeros in the other threads)."""
+        (zeros in the other threads). Where `low_rank`, the dots gain the row's rank-n
+        term sum_{t < n} u_t[row] kx [t, j]."""
         T: cutlass.Constexpr = self.tokens
         dots, pair_sums, values_v = smem.dots, smem.pair_sums, smem.values_v
         betas, output_gates = smem.betas, smem.old_decays
@@ -958,9 +1032,12 @@ class FusedVerify:
             for t in cutlass.range_constexpr(T):
                 gated[t] = output_gates[t, tid]
             row = row0 + tid
+            sums = [dots[tid, j] for j in range(2 * T)]  # plus the rank term where low_rank
+            if cutlass.const_expr(self.lazy):
+                sums = self.with_rank_term(sums, smem, n, low_rank, tid)
             us = cute.make_rmem_tensor(T, Float32)
             for t in cutlass.range_constexpr(T):
-                total = dots[tid, t]
+                total = sums[t]
                 for s in cutlass.range_constexpr(t):
                     total = cute.math.fma(pair_sums[pair_index(T, t, s, "A")], us[s], total)
                 us[t] = (values_v[t, row] - total) * betas[t]
@@ -968,11 +1045,24 @@ class FusedVerify:
                     corrections[self.offset("corrections", item.rec, head, base + t,
                                             row)] = us[t]
             for t in cutlass.range_constexpr(T):
-                o = dots[tid, T + t]
+                o = sums[T + t]
                 for s in cutlass.range_constexpr(t + 1):
                     o = cute.math.fma(pair_sums[pair_index(T, t, s, "B")], us[s], o)
                 outs[t] = round_bf16(o)
         return outs, gated
+
+    @cute.jit
+    def with_rank_term(self, sums, smem, n, low_rank, tid):
+        """sums [2T] plus, where `low_rank`, sum_{t < n} u_t[tid] kx [t, j]: the kept
+        records' rank-n part of S_n x."""
+        rank = cute.make_rmem_tensor(2 * self.tokens, Float32)
+        rank.fill(0.0)
+        if low_rank:
+            for t in range(n):
+                u = smem.old_u[t, tid]
+                for j in cutlass.range_constexpr(2 * self.tokens):
+                    rank[j] = cute.math.fma(u, smem.kx[t, j], rank[j])
+        return [sums[j] + rank[j] for j in range(2 * self.tokens)]
 
     @cute.jit
     def gated_norm(self, out, outs, gated, smem, nw, request, head, rank, tid):

@@ -3,14 +3,19 @@ B x L tokens, ours against flash-linear-attention's `chunk_kda` in the same proc
 
 - ours: `jax_kda.prefill`, the whole layer (short convolutions, gate projection, the
   recurrence in chunks, the gated norm), jitted with the cache donated; `compile_s` the
-  first lower + compile at that shape; `us` the median wall time of a call, blocked;
+  first lower + compile at that shape;
 - fla: `chunk_kda` on the same prompts' q, k, v after the convolution, with the gate,
   beta's sigmoid and the q / k norms in its kernel (`use_gate_in_kernel`, safe gate at
-  the same lower bound), the final state out; CUDA events, median.
+  the same lower bound), the final state out.
 
-Each row: impl, B, L, us, tokens_per_s, compile_s (ours), or error; with `--profile`
-also `kernels`, the GPU time of one call by kernel name (the commonest first). Run by
-bench.py; alone:
+Both timed two ways, medians: `us`, the GPU's time of a call (ours: the span of its
+activities in JAX's profiler trace; fla: CUDA events around it), and `wall_us`, the
+host's wall time of a call that blocks until it is done (what one call costs a
+program that waits for it: launches and dispatch included).
+
+Each row: impl, B, L, us, wall_us, tokens_per_s (by us), compile_s (ours), or error;
+with `--profile` also `kernels`, the GPU time of one call by kernel name (the commonest
+first). Run by bench.py; alone:
 
     python benchmarks/prefill.py --json prefill.json [--points 1x1024,1x4096,...] [--profile]
 """
@@ -68,25 +73,38 @@ def ours(config: KdaConfig, B: int, L: int, profile: bool = False) -> dict:
     start = time.perf_counter()
     compiled = step.lower(params, cache, inputs).compile()
     compile_s = time.perf_counter() - start
-    out, cache = compiled(params, cache, inputs)
-    jax.block_until_ready(out)
-    times = []
-    for _ in range(CALLS):
-        start = time.perf_counter()
+    from jax_kda.profiling import traced_kernels, traced_steps
+
+    def call():
+        nonlocal cache
         out, cache = compiled(params, cache, inputs)
         jax.block_until_ready((out, cache))
-        times.append(time.perf_counter() - start)
-    row = dict(us=1e6 * statistics.median(times), compile_s=compile_s)
-    if profile:
-        from jax_kda.profiling import traced_kernels
 
-        def call():
-            nonlocal cache
+    def calls():
+        nonlocal cache
+        for _ in range(CALLS):
             out, cache = compiled(params, cache, inputs)
-            jax.block_until_ready((out, cache))
+        jax.block_until_ready((out, cache))
+
+    call()
+    wall = wall_us(call)
+    # without a GPU (the CPU dry run) nothing is traced: the wall time stands in
+    row = dict(us=traced_steps(calls, CALLS).get("step_us", wall), wall_us=wall,
+               compile_s=compile_s)
+    if profile:
         row["kernels"] = by_kernel((k.name, k.end_ns - k.start_ns)
                                    for k in traced_kernels(call))
     return row
+
+
+def wall_us(call) -> float:
+    """Median wall microseconds of `call()`, which blocks until its work is done."""
+    times = []
+    for _ in range(CALLS):
+        start = time.perf_counter()
+        call()
+        times.append(time.perf_counter() - start)
+    return 1e6 * statistics.median(times)
 
 
 def fla(config: KdaConfig, B: int, L: int, torch, profile: bool = False) -> dict:
@@ -107,13 +125,18 @@ def fla(config: KdaConfig, B: int, L: int, torch, profile: bool = False) -> dict
                              A_log=a_log, dt_bias=dt_bias)
     call()
     torch.cuda.synchronize()
-    row = dict(us=1e6 * measure.torch_event_times(torch, lambda i: call(), 1, CALLS))
-    if profile:
-        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as trace:
-            call()
-            torch.cuda.synchronize()
-        row["kernels"] = by_kernel((e.name, 1e3 * e.device_time) for e in trace.events()
-                                   if e.device_time > 0)
+
+    def blocked():
+        call()
+        torch.cuda.synchronize()
+    row = dict(us=1e6 * measure.torch_event_times(torch, lambda i: call(), 1, CALLS),
+               wall_us=wall_us(blocked))
+    if profile:  # JAX's trace sees every CUDA kernel of the process (torch's profiler
+        # would take CUPTI from JAX's for the rest of the run)
+        from jax_kda.profiling import traced_kernels
+
+        row["kernels"] = by_kernel((k.name, k.end_ns - k.start_ns)
+                                   for k in traced_kernels(blocked))
     return row
 
 

@@ -180,10 +180,14 @@ def targets(results) -> list:
     for (B, L), impls in prefill_pairs(results.get("prefill", [])).items():
         ours, fla = impls.get("ours", {}), impls.get("fla", {})
         if L >= 4096 and "us" in ours and "us" in fla:
-            ratio = ours["us"] / fla["us"]
-            target(f"prefill B={B} L={L} vs fla chunk_kda", "<= 2x its time",
-                   f"{ratio:.2f}x ({1e-3 * ours['us']:.2f} vs {1e-3 * fla['us']:.2f} ms)",
-                   ratio <= 2, f"{ratio - 2:+.2f}x")
+            ratios = {key: ours[key] / fla[key] for key in ("us", "wall_us")
+                      if key in ours and key in fla}
+            measured = ", ".join(
+                f"{'GPU' if key == 'us' else 'wall'} {r:.2f}x ({1e-3 * ours[key]:.2f} vs "
+                f"{1e-3 * fla[key]:.2f} ms)" for key, r in ratios.items())
+            worst = max(ratios.values())
+            target(f"prefill B={B} L={L} vs fla chunk_kda", "<= 2x its time", measured,
+                   worst <= 2, f"{worst - 2:+.2f}x")
 
     lazy = lazy_times(results.get("lazy", []))
     for B, goal in LAZY_TARGETS_US.items():
@@ -374,20 +378,24 @@ def prefill_section(rows) -> list:
     cell = lambda r: (f"{1e-3 * r['us']:.2f} ms ({r['tokens_per_s'] / 1e3:.0f}k tok/s)"
                       if r and "us" in r else (r or {}).get("error") or
                       (r or {}).get("skipped") or "-")
+    wall = lambda r: f"{1e-3 * r['wall_us']:.2f} ms" if r and "wall_us" in r else "-"
+    ratio = lambda a, b, key: (f"{a[key] / b[key]:.2f}x" if a and b and key in a and key in b
+                               else "-")
     lines = []
     for (B, L), impls in prefill_pairs(rows).items():
         ours, fla = impls.get("ours"), impls.get("fla")
-        ratio = (f"{ours['us'] / fla['us']:.2f}x" if ours and fla and "us" in ours
-                 and "us" in fla else "-")
         compile_s = f"{ours['compile_s']:.1f}" if ours and "compile_s" in ours else "-"
-        lines.append([str(B), str(L), cell(ours), cell(fla), ratio, compile_s])
+        lines.append([str(B), str(L), cell(ours), cell(fla), ratio(ours, fla, "us"),
+                      wall(ours), wall(fla), ratio(ours, fla, "wall_us"), compile_s])
     return ["## Prefill: one layer over whole prompts", "",
             "`benchmarks/prefill.py`: `jax_kda.prefill` (the whole layer: convolutions, gate "
-            "projection, the recurrence in chunks of 64, gated norm; jitted, cache donated; "
-            "wall time, blocked) against fla's `chunk_kda` (the recurrence with its gate, "
-            "beta sigmoid and q/k norms in kernel; CUDA events) on prompts of the same "
-            "size and heads.", "",
-            table(["B", "L", "ours", "fla chunk_kda", "ours / fla", "ours compile s"], lines),
+            "projection, the recurrence in chunks of 64, gated norm; jitted, cache donated) "
+            "against fla's `chunk_kda` (the recurrence with its gate, beta sigmoid and q/k "
+            "norms in kernel) on prompts of the same size and heads. GPU: ours the span of "
+            "a call in JAX's profiler trace, fla CUDA events; wall: a call blocked until "
+            "done, on the host's clock.", "",
+            table(["B", "L", "ours GPU", "fla GPU", "ratio", "ours wall", "fla wall",
+                   "ratio", "ours compile s"], lines),
             ""]
 
 

@@ -1,8 +1,9 @@
-"""The prefill's two kernels as custom calls: `cutedsl_chunk_operands` (the chunks'
-operands, `jax_kda.kernels.chunk_operands`) and `cutedsl_chunk_states` (the scan over
-chunks, `jax_kda.kernels.chunk_states`). Each is a primitive whose CUDA lowering
-compiles its kernel once per configuration for symbolic sizes (one binary for every
-prompt and batch, also under `jax.export` on a machine without a GPU) and runs it
+"""The prefill's three kernels as custom calls: `cutedsl_prompt_conv` (the
+convolution and SiLU, `jax_kda.kernels.prompt_conv`), `cutedsl_chunk_operands` (the
+chunks' operands, `jax_kda.kernels.chunk_operands`) and `cutedsl_chunk_states` (the
+scan over chunks, `jax_kda.kernels.chunk_states`). Each is a primitive whose CUDA
+lowering compiles its kernel once per configuration for symbolic sizes (one binary for
+every prompt and batch, also under `jax.export` on a machine without a GPU) and runs it
 through CuTe DSL's FFI target; on any other platform the lowering raises a clear
 error."""
 from __future__ import annotations
@@ -13,14 +14,56 @@ import jax
 import jax.extend
 import jax.numpy as jnp
 
-from jax_kda.config import K
+from jax_kda.config import CONV_TAPS, K
 from jax_kda.ffi.call import compile_symbolic, launch_compiled, register_cuda_lowering
 from jax_kda.prompt_chunks import CHUNK, Operands
 
+prompt_conv_p = jax.extend.core.Primitive("jax_kda_prompt_conv")
+prompt_conv_p.multiple_results = True
 chunk_operands_p = jax.extend.core.Primitive("jax_kda_chunk_operands")
 chunk_operands_p.multiple_results = True
 chunk_states_p = jax.extend.core.Primitive("jax_kda_chunk_states")
 chunk_states_p.multiple_results = True
+
+
+def cutedsl_prompt_conv(x, history, weight, bias):
+    """`jax_kda.layer.convolve` of a prompt in one pass: x [B, P, 3, H, K] bf16 (the raw
+    q, k, v), history [B, 3, 3, H, K] bf16 values (part, position: `rows.read_history`),
+    a layer's conv weight [3, 4, H, K] and bias [3, H, K] or None; returns y
+    [B, P, 3, H, K] bf16."""
+    B, P = x.shape[:2]
+    if 0 in (B, P):  # nothing to launch
+        return jnp.zeros(x.shape, jnp.bfloat16)
+    bias = jnp.zeros(weight.shape[:1] + weight.shape[2:]) if bias is None else bias
+    (y,) = prompt_conv_p.bind(
+        x.astype(jnp.bfloat16), jnp.moveaxis(history, 2, 1).astype(jnp.bfloat16),
+        jnp.swapaxes(weight, 0, 1).astype(jnp.float32), bias.astype(jnp.float32))
+    return y
+
+
+@prompt_conv_p.def_abstract_eval
+def _conv_abstract(x, history, weight, bias):
+    return [x]  # y has x's shape, dtype and type
+
+
+def _conv_lowering(x, history, weight, bias):
+    return launch_compiled(_compiled_conv(), (x, history, weight, bias),
+                           [jax.ShapeDtypeStruct(x.shape, jnp.bfloat16)], {})
+
+
+register_cuda_lowering(prompt_conv_p, _conv_lowering, "prefill")
+
+
+@functools.lru_cache(maxsize=None)
+def _compiled_conv():
+    """PromptConvolution() compiled for symbolic B, P and H."""
+    from jax_kda.kernels.prompt_conv import PromptConvolution
+
+    kernel = PromptConvolution()
+    inputs, outputs = ([jax.ShapeDtypeStruct(shape, jnp.dtype(dtype)) for shape, dtype in part]
+                       for part in kernel.shapes(*jax.export.symbolic_shape("B, P, H")))
+    return compile_symbolic(kernel, inputs, outputs, (True,) * len(inputs), {},
+                            compile_key=("prompt_conv", CONV_TAPS))
 
 
 def cutedsl_chunk_operands(y, raw_g, beta, lengths, a_log, dt_bias, *, lower_bound: float,

@@ -38,13 +38,17 @@ def decay(raw_g, a_log, dt_bias, lower_bound):
     return jnp.exp(lower_bound * jax.nn.sigmoid(jnp.exp(a_log)[:, None] * (raw_g + dt_bias)))
 
 
-def gate_projection(f_a, f_b, gate_mode):
+def gate_projection(f_a, f_b, gate_mode, dtype=jnp.float32):
     """raw_g = bf16(f_a . f_b[h]^T): [B, T, K] x [H, K, K] -> [B, T, H, K] bf16 values.
 
     gate_mode 0 sums the K rank columns as one chain; 1 as four chains over column
     quarters added ((c0 + c1) + c2) + c3. Products of bf16 values are exact in FP32.
+    dtype: the result's; bfloat16 with gate_mode 0 is the product's own output, its FP32
+    sums rounded once (no FP32 array in memory).
     """
     exact = dict(preferred_element_type=jnp.float32)  # FP32 sums of the exact products
+    if gate_mode == 0 and dtype == jnp.bfloat16:
+        return jnp.einsum("btr,hfr->bthf", f_a, f_b, preferred_element_type=jnp.bfloat16)
     if gate_mode == 0:
         total = jnp.einsum("btr,hfr->bthf", f_a, f_b, **exact)
     else:
@@ -53,7 +57,7 @@ def gate_projection(f_a, f_b, gate_mode):
         quarters = jnp.einsum("btqr,hfqr->bthfq", f_a.reshape(B, T, 4, K // 4),
                               f_b.reshape(H, K, 4, K // 4), **exact)
         total = ((quarters[..., 0] + quarters[..., 1]) + quarters[..., 2]) + quarters[..., 3]
-    return round_bf16(total)
+    return round_bf16(total).astype(dtype)
 
 
 def convolve(history, x, weight, bias):

@@ -19,7 +19,7 @@ import jax.numpy as jnp
 
 from jax_kda import chunked, prompt_chunks
 from jax_kda.config import CONV_TAPS, K, KdaConfig
-from jax_kda.layer import gated_rmsnorm
+from jax_kda.layer import gate_projection, gated_rmsnorm
 from jax_kda.partitioning import per_head
 from jax_kda.pytrees import KdaCache, KdaParams, PrefillInputs
 from jax_kda.rows import (Replay, convolved, layer_of, locate, normalized, pad_rows,
@@ -75,11 +75,12 @@ def token_vectors(params: KdaParams, prompt: Prompt, config: KdaConfig):
 
 
 def run_prefill(params: KdaParams, cache: KdaCache, inputs: PrefillInputs,
-                config: KdaConfig, layer, recurrence):
+                config: KdaConfig, layer, recurrence, convolution=convolved):
     """The prefill around a recurrence(state, replay, params, prompt, config) -> (final
     state [B, H, K, K], o [B, H, P, K] bf16 values) that folds `replay` (a
     `rows.Replay`) into `state`, then runs the `Prompt`; shared with
-    `ref.stock_prefill`. Returns (out [B, P, H, K] bf16, cache)."""
+    `ref.stock_prefill`. convolution: `rows.convolved` or its twin of the same
+    signature (`kernel_convolved`). Returns (out [B, P, H, K] bf16, cache)."""
     B, P = inputs.x.shape[:2]
     if inputs.resume is None:
         inputs = dataclasses.replace(inputs, resume=jnp.zeros((B,), bool))
@@ -92,7 +93,7 @@ def run_prefill(params: KdaParams, cache: KdaCache, inputs: PrefillInputs,
     fresh = lambda a: jnp.where(resume.reshape((-1,) + (1,) * (a.ndim - 1)), a, 0.0)[:B]
     history = fresh(read_history(cache, rows))
     lengths = jnp.clip(inputs.lengths, 0, P)
-    prompt = Prompt(*convolved(params, inputs.x, inputs.f_a, history, config), inputs.beta,
+    prompt = Prompt(*convolution(params, inputs.x, inputs.f_a, history, config), inputs.beta,
                     lengths)
     replay = jax.tree.map(lambda a: a[:B], read_replay(params, cache, rows, config))
     state, o = recurrence(fresh(read_state(cache, rows)), replay, params, prompt, config)
@@ -139,10 +140,22 @@ def prompt_recurrence(state, replay: Replay, params: KdaParams, prompt: Prompt,
     return prompt_chunks.recurrence(state, operands, P, scan=scan)
 
 
+def kernel_convolved(params: KdaParams, x, f_a, history, config: KdaConfig):
+    """`rows.convolved` in bf16 arrays for the operands kernel: the convolution by its
+    kernel (`jax_kda.kernels.prompt_conv`), the gate projection rounded to bf16 by the
+    product itself where gate_mode 0 allows it."""
+    from jax_kda.ffi import cutedsl_prompt_conv  # the kernel's call, imported lazily
+
+    return (cutedsl_prompt_conv(x, history, params.conv_weight, params.conv_bias),
+            gate_projection(f_a, params.f_b, config.gate_mode, jnp.bfloat16))
+
+
 @functools.partial(jax.jit, static_argnames=("config", "backend"))
 def _prefill(params, cache, inputs, layer, *, config, backend):
     recurrence = functools.partial(prompt_recurrence, backend=backend)
-    return run_prefill(params, cache, inputs, config, layer, recurrence)
+    kernels = backend == "cutedsl" and prompt_chunks.operands_kernel_fits(config.lower_bound)
+    return run_prefill(params, cache, inputs, config, layer, recurrence,
+                       kernel_convolved if kernels else convolved)
 
 
 @functools.lru_cache(maxsize=None)
@@ -169,11 +182,11 @@ def prefill(params: KdaParams, cache: KdaCache, inputs: PrefillInputs, config: K
       inputs: the prompts (`PrefillInputs`: x [B, P, 3, H, K] bf16, ..., lengths [B],
         resume [B] for the rows that continue a prompt from the cache).
       config: the static `KdaConfig` (its tokens only size the cache's records).
-      backend: where the prompt's chunks run: "cutedsl" (CuTe DSL kernels, CUDA GPUs of
-        compute capability >= 9.0: the scan over chunks for chunks of a multiple of 16
-        tokens, and the chunks' operands too at lower_bound >= about -5.2), "jax" (XLA,
-        any device) or "auto" (the kernels where they run); the convolution, gate
-        projection and gated norm are XLA's either way.
+      backend: where the prompt's convolution and chunks run: "cutedsl" (CuTe DSL
+        kernels, CUDA GPUs of compute capability >= 9.0: the scan over chunks for chunks
+        of a multiple of 16 tokens, and the convolution and the chunks' operands too at
+        lower_bound >= about -5.2), "jax" (XLA, any device) or "auto" (the kernels where
+        they run); the gate projection and gated norm are XLA's either way.
       layer: for stacked params and cache, the layer to run (a Python int or an int32
         scalar, e.g. traced in `lax.scan`); None for one layer's.
 

@@ -194,8 +194,9 @@ def zero_prompts(B, P, H):
 def test_prefill_backends_lower_as_asked(lower_bound, chunk):
     """backend='cutedsl' lowers the prefill's scan over chunks to one CuTe DSL custom call
     on [B, H, N, chunk, K] operands, with no loop left in the program, and at chunks of
-    64 (lower_bound >= -5.2) the chunks' operands to another, on the token-major bf16
-    tensors before it; backend='jax' to XLA's while loop, with no custom call."""
+    64 (lower_bound >= -5.2) the convolution and the chunks' operands to two more, on
+    the token-major bf16 tensors before it; backend='jax' to XLA's while loop, with no
+    custom call."""
     config = KdaConfig(heads=2, tokens=4, lower_bound=lower_bound)
     _, cache, _ = example(config)
     params = random_params(jax.random.key(0), config)
@@ -207,12 +208,13 @@ def test_prefill_backends_lower_as_asked(lower_bound, chunk):
     calls = [line for line in texts["cutedsl"].splitlines()
              if f"custom_call @{TARGET}" in line]
     fits = chunk == 64
-    assert len(calls) == 1 + fits and "stablehlo.while" not in texts["cutedsl"]
+    assert len(calls) == 1 + 2 * fits and "stablehlo.while" not in texts["cutedsl"]
     N = -(-P // chunk)
     assert f"tensor<{B}x2x{N}x{chunk}x128xf32>" in calls[-1]
     if fits:
-        assert f"tensor<{B}x{P}x3x2x128xbf16>" in calls[0]
-        assert f"-> (tensor<{B}x2x{N}x{chunk}x128xf32>" in calls[0]
+        assert f"-> tensor<{B}x{P}x3x2x128xbf16>" in calls[0]  # the convolution's y
+        assert f"tensor<{B}x{P}x3x2x128xbf16>" in calls[1]
+        assert f"-> (tensor<{B}x2x{N}x{chunk}x128xf32>" in calls[1]
     assert "stablehlo.custom_call" not in texts["jax"] and "stablehlo.while" in texts["jax"]
     for B, P in ((2, 0), (0, 300)):  # nothing to launch: no kernel, whatever the backend
         empty = exported(functools.partial(prefill, config=config, backend="cutedsl"),
@@ -222,7 +224,7 @@ def test_prefill_backends_lower_as_asked(lower_bound, chunk):
 
 def test_chunk_kernel_compiles_once_for_every_prompt():
     """Prompts of other batch sizes and lengths (chunk counts) share the prefill kernels'
-    binaries (the operands' and the scan's)."""
+    binaries (the convolution's, the operands' and the scan's)."""
     config = KdaConfig(heads=2, tokens=4)
     _, cache, _ = example(config)
     params = random_params(jax.random.key(0), config)
@@ -231,7 +233,7 @@ def test_chunk_kernel_compiles_once_for_every_prompt():
         inputs = zero_prompts(B, P, config.heads)
         found += modules(exported(functools.partial(prefill, config=config, backend="cutedsl"),
                                   *map(shapes, (params, cache, inputs))).mlir_module())
-    assert len(found) == 4 and found[:2] == found[2:]
+    assert len(found) == 6 and found[:3] == found[3:]
 
 
 def test_timeline_build_compiles():

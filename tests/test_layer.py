@@ -63,3 +63,16 @@ def test_gate_projection_on_random_inputs(gate_mode):
     actual = project(f_a, f_b, gate_mode)
     ulps = bf16_ulps(actual, model_projection(f_a, f_b, gate_mode))
     assert ulps.max() <= 1 and np.mean(ulps > 0) <= 1e-3, (ulps.max(), np.mean(ulps > 0))
+
+
+@pytest.mark.parametrize("gate_mode", [0, 1], ids=["gate_mode0", "gate_mode1"])
+def test_gate_projection_in_bf16(gate_mode):
+    """dtype=bfloat16 returns bf16 (the prefill kernels' input), the same raw gates as the
+    FP32 array of bf16 values: bit for bit on the designed rows, where the order of a
+    chain's sums cannot matter."""
+    f_a, f_b = tie_inputs()
+    actual = jax.jit(gate_projection, static_argnums=(2, 3))(f_a, f_b, gate_mode,
+                                                            jnp.bfloat16)
+    assert actual.dtype == jnp.bfloat16
+    expected = model_projection(f_a, f_b, gate_mode).astype(np.float32)
+    np.testing.assert_array_equal(bits(np.asarray(actual, np.float32)), bits(expected))

@@ -283,9 +283,10 @@ def test_kernel_step_under_shard_map_exports_one_call_per_device(draw):
 @on_devices
 @pytest.mark.kernels
 def test_kernel_prefill_under_shard_map_exports_one_call_per_device(draw):
-    """The prefill with its chunk kernels, of one layer of a stacked cache, under
-    jax.shard_map over four devices, exported for CUDA: one call of each (the chunks'
-    operands, the scan over them) on each device's H / 4 heads, no collective."""
+    """The prefill with its kernels, of one layer of a stacked cache, under
+    jax.shard_map over four devices, exported for CUDA: one call of each (the
+    convolution, the chunks' operands, the scan over them) on each device's H / 4 heads,
+    no collective."""
     pytest.importorskip("cutlass", reason="needs nvidia-cutlass-dsl")
     config = KdaConfig(heads=8, tokens=4)
     local = local_config(config, DEVICES)
@@ -303,10 +304,12 @@ def test_kernel_prefill_under_shard_map_exports_one_call_per_device(draw):
     text, target = exported_for_cuda(jax.jit(step, donate_argnums=1),
                                      *typed(args, four, specs))
     calls = re.findall(rf"custom_call @{target}\(.*", text)
-    assert len(calls) == 2, calls
+    assert len(calls) == 3, calls
     assert not re.search(r"all_gather|all_reduce|all_to_all|collective_permute", text)
-    for call in calls:
-        assert f"tensor<2x{config.heads // DEVICES}x1x64x128xf32>" in call, "not the local heads"
+    local_heads = config.heads // DEVICES
+    assert f"-> tensor<2x{PROMPT}x3x{local_heads}x128xbf16>" in calls[0], "not the local heads"
+    for call in calls[1:]:
+        assert f"tensor<2x{local_heads}x1x64x128xf32>" in call, "not the local heads"
 
 
 @on_devices

@@ -7,7 +7,9 @@ R, L), as the eager DLPack path and the compile table (`python -m jax_kda.kernel
 use it. `compile_chunk_operands(lower_bound, scale)` and `compile_chunk_states(chunk)` do
 the same for the prefill's two kernels: the chunks' operands
 (`jax_kda.kernels.chunk_operands`; symbolic B, prompt length, H and chunk count) and
-the scan over chunks (`jax_kda.kernels.chunk_states`; symbolic B, H and chunk count).
+the scan over chunks (`jax_kda.kernels.chunk_states`; symbolic B, H and chunk count);
+`compile_prompt_conv()` the prompt's convolution (`jax_kda.kernels.prompt_conv`;
+symbolic B, prompt length and H).
 """
 from __future__ import annotations
 
@@ -29,6 +31,7 @@ from jax_kda.config import KdaConfig
 from jax_kda.kernels.chunk_operands import ChunkOperands
 from jax_kda.kernels.chunk_states import ChunkStates
 from jax_kda.kernels.fused import STAMPS, FusedVerify
+from jax_kda.kernels.prompt_conv import PromptConvolution
 
 DTYPES = {"float32": cutlass.Float32, "bfloat16": cutlass.BFloat16, "int32": cutlass.Int32,
           "int64": cutlass.Int64}
@@ -90,6 +93,14 @@ def compile_chunk_operands(lower_bound: float, scale: float, options: str = ""):
     (`ChunkOperands.shapes`)."""
     kernel = ChunkOperands(lower_bound, scale)
     inputs, outputs = kernel.shapes(*(cute.sym_int() for _ in range(4)))
+    return compile_on_shapes(kernel, inputs + outputs, options)
+
+
+def compile_prompt_conv(options: str = ""):
+    """`PromptConvolution()` compiled for symbolic B, P and H: call it as (stream, x,
+    history, weight, bias, y) (`PromptConvolution.shapes`)."""
+    kernel = PromptConvolution()
+    inputs, outputs = kernel.shapes(*(cute.sym_int() for _ in range(3)))
     return compile_on_shapes(kernel, inputs + outputs, options)
 
 

@@ -1,7 +1,7 @@
 """Compile the fused verify kernel for every configuration (no GPU needed) and print a
 table: registers per thread, spill (local memory) bytes, shared memory, compile seconds;
-then the prefill's two kernels: the chunk scan for each chunk size it runs (16, 32, 64
-tokens) and the chunks' operands at the default config.
+then the prefill's three kernels: the chunk scan for each chunk size it runs (16, 32, 64
+tokens), the chunks' operands at the default config and the prompt's convolution.
 
     python -m jax_kda.kernels --arch sm_90a [--subset] [--jobs N]
 
@@ -99,6 +99,14 @@ def compile_operands_kernel(arch):
                                                    options="remarks{ptx}"))
 
 
+def compile_conv_kernel(arch):
+    """The prompt convolution kernel's row."""
+    os.environ["CUTE_DSL_ARCH"] = arch
+    from jax_kda.kernels import compile_prompt_conv
+
+    return measured(lambda: compile_prompt_conv(options="remarks{ptx}"))
+
+
 def measured(compile):
     """(regs, local bytes, smem, seconds, status) of compile(), a compile with ptxas'
     report on."""
@@ -153,6 +161,11 @@ def main(argv=None):
                 compile_operands_kernel, args.arch).result()
             failed += status != "ok"
             print(f"prefill operands kernel: regs {regs} local {local} smem {smem} "
+                  f"{seconds:5.1f} s  {status}", flush=True)
+            regs, local, smem, seconds, status = pool.submit(
+                compile_conv_kernel, args.arch).result()
+            failed += status != "ok"
+            print(f"prefill convolution kernel: regs {regs} local {local} smem {smem} "
                   f"{seconds:5.1f} s  {status}", flush=True)
     print(f"{failed} configurations failed or spilled" if failed else "all compiled, no spills")
     return 1 if failed else 0

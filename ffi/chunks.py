@@ -14,7 +14,7 @@ import jax
 import jax.extend
 import jax.numpy as jnp
 
-from jax_kda.config import CONV_TAPS, K
+from jax_kda.config import K
 from jax_kda.ffi.call import compile_symbolic, launch_compiled, register_cuda_lowering
 from jax_kda.prompt_chunks import CHUNK, Operands
 
@@ -59,11 +59,16 @@ def _compiled_conv():
     """PromptConvolution() compiled for symbolic B, P and H."""
     from jax_kda.kernels.prompt_conv import PromptConvolution
 
-    kernel = PromptConvolution()
+    return _compiled_on_table(PromptConvolution(), "B, P, H", ("prompt_conv",))
+
+
+def _compiled_on_table(kernel, dims, compile_key):
+    """`kernel` compiled for its `shapes` table ((shape, dtype name) pairs of inputs and
+    outputs) at the symbolic sizes `dims`."""
     inputs, outputs = ([jax.ShapeDtypeStruct(shape, jnp.dtype(dtype)) for shape, dtype in part]
-                       for part in kernel.shapes(*jax.export.symbolic_shape("B, P, H")))
+                       for part in kernel.shapes(*jax.export.symbolic_shape(dims)))
     return compile_symbolic(kernel, inputs, outputs, (True,) * len(inputs), {},
-                            compile_key=("prompt_conv", CONV_TAPS))
+                            compile_key=compile_key)
 
 
 def cutedsl_chunk_operands(y, raw_g, beta, lengths, a_log, dt_bias, *, lower_bound: float,
@@ -113,11 +118,8 @@ def _compiled_operands(lower_bound, scale):
     """ChunkOperands(lower_bound, scale) compiled for symbolic B, P, H and N."""
     from jax_kda.kernels.chunk_operands import ChunkOperands
 
-    kernel = ChunkOperands(lower_bound, scale)
-    inputs, outputs = ([jax.ShapeDtypeStruct(shape, jnp.dtype(dtype)) for shape, dtype in part]
-                       for part in kernel.shapes(*jax.export.symbolic_shape("B, P, H, N")))
-    return compile_symbolic(kernel, inputs, outputs, (True,) * len(inputs), {},
-                            compile_key=("chunk_operands", lower_bound, scale))
+    return _compiled_on_table(ChunkOperands(lower_bound, scale), "B, P, H, N",
+                              ("chunk_operands", lower_bound, scale))
 
 
 def cutedsl_chunk_states(state, u_v, w_k, gq, tail, decay, bm):

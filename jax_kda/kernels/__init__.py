@@ -4,12 +4,12 @@
 (the custom call launches it under JAX, `jax_kda.ffi.call`); `compile_verify(...)`
 compiles it ahead of time for any batch, slot, record and layer count (symbolic B, S,
 R, L), as the eager DLPack path and the compile table (`python -m jax_kda.kernels`)
-use it. `compile_chunk_operands(lower_bound, scale)` and `compile_chunk_states(chunk)` do
-the same for the prefill's two kernels: the chunks' operands
-(`jax_kda.kernels.chunk_operands`; symbolic B, prompt length, H and chunk count) and
-the scan over chunks (`jax_kda.kernels.chunk_states`; symbolic B, H and chunk count);
-`compile_prompt_conv()` the prompt's convolution (`jax_kda.kernels.prompt_conv`;
-symbolic B, prompt length and H).
+use it. `compile_prompt_conv()`, `compile_chunk_operands(lower_bound, scale)` and
+`compile_chunk_states(chunk)` do the same for the prefill's three kernels: the prompt's
+convolution (`jax_kda.kernels.prompt_conv`; symbolic B, prompt length and H), the
+chunks' operands (`jax_kda.kernels.chunk_operands`; symbolic B, prompt length, H and
+chunk count) and the scan over chunks (`jax_kda.kernels.chunk_states`; symbolic B, H
+and chunk count).
 """
 from __future__ import annotations
 

@@ -8,9 +8,10 @@ from jax_kda.pytrees import (AWAITING, KdaCache, KdaParams, PrefillInputs, Verif
 from jax_kda.sharding import head_specs, local_config, output_spec
 from jax_kda.validate import check_inputs
 from jax_kda.verify import fused_verify
+from jax_kda import ref  # the references, reachable as jax_kda.ref after `import jax_kda`
 
 __all__ = [
     "AWAITING", "K", "KdaCache", "KdaConfig", "KdaParams", "PrefillInputs", "VerifyInputs",
     "accept", "check_inputs", "flush", "fused_verify", "head_specs", "init_cache",
-    "local_config", "output_spec", "prefill",
+    "local_config", "output_spec", "prefill", "ref",
 ]

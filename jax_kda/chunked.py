@@ -13,11 +13,11 @@ and after n tokens S_n = S diag(D_n) + sum_{t<n} u_t (k_t * P_t)^T with D_n the 
 of all n decays and P_t = prod_{t<s<n} d_s. Shapes: S [B, H, K, K] (value row, key
 column); per-token vectors [B, H, T, K]; beta [B, H, T].
 
-Every step is an array operation over all T tokens at once, so the graph does not grow
-with T: P is a cumulative product along t of d masked to 1 for r <= s (a [B, H, T, T, K]
-array; a quotient Gamma_t / Gamma_s would underflow over a long chunk), and u is one
-unit lower-triangular solve (I + diag(beta) A) u = diag(beta) (v - w), refined once,
-whose right-hand sides are the K state rows.
+P is a cumulative product along t of d masked to 1 for r <= s (a [B, H, T, T, K] array;
+a quotient Gamma_t / Gamma_s would underflow over a long chunk); u solves the unit
+lower-triangular (I + diag(beta) A) u = diag(beta) (v - w) by forward substitution,
+whose right-hand sides are the K state rows. Token t reads only tokens s <= t
+(`jax_kda.triangular`): a non-finite value in a draft reaches no earlier token.
 """
 from __future__ import annotations
 
@@ -25,6 +25,7 @@ import jax
 import jax.numpy as jnp
 
 from jax_kda.layer import HIGHEST, round_bf16
+from jax_kda.triangular import lower_mask, masked_product, solve_unit_lower
 
 
 def pair_decays(d):
@@ -41,18 +42,8 @@ def pair_products(q, k, d):
     decayed_keys = k[:, :, :, None] * pair_decays(d)  # [B, H, s, t, K]
     A = jnp.einsum("bhstc,bhtc->bhts", decayed_keys, k, precision=HIGHEST)
     Bm = jnp.einsum("bhstc,bhtc->bhts", decayed_keys, q, precision=HIGHEST)
-    t, s = jnp.arange(T)[:, None], jnp.arange(T)[None, :]
-    return jnp.where(s < t, A, 0.0), jnp.where(s <= t, Bm, 0.0)
-
-
-def solve_unit_lower(N, b):
-    """x [..., T, K] with (I + N) x = b for N [..., T, T] strictly lower triangular."""
-    solve = lambda rhs: jax.scipy.linalg.solve_triangular(
-        N, rhs, lower=True, unit_diagonal=True)
-    x = solve(b)
-    # One refinement step: a blocked triangular solve (LAPACK's on CPU) rounds about
-    # twice as far from exact as forward substitution; the residual brings it back.
-    return x + solve(b - x - jnp.einsum("...ts,...sr->...tr", N, x, precision=HIGHEST))
+    return (jnp.where(lower_mask(T, strict=True), A, 0.0),
+            jnp.where(lower_mask(T), Bm, 0.0))
 
 
 def verify(state, q, k, v, beta, d):
@@ -65,8 +56,10 @@ def verify(state, q, k, v, beta, d):
     w = jnp.einsum("bhrc,bhtc->bhtr", state, gamma * k, precision=HIGHEST)
     y = jnp.einsum("bhrc,bhtc->bhtr", state, gamma * q, precision=HIGHEST)
     A, Bm = pair_products(q, k, d)
-    u = solve_unit_lower(beta[..., None] * A, beta[..., None] * (v - w))
-    o = y + jnp.einsum("bhts,bhsr->bhtr", Bm, u, precision=HIGHEST)
+    T = k.shape[2]
+    u = solve_unit_lower(beta[..., None] * A, beta[..., None] * (v - w),
+                         lower_mask(T, strict=True))
+    o = y + masked_product(Bm, u, lower_mask(T))
     return u, round_bf16(o)
 
 

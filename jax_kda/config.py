@@ -6,6 +6,8 @@ import dataclasses
 import math
 import numbers
 
+import numpy as np
+
 K = 128  # key and value head dim, and the gate projection's rank
 CONV_TAPS = 4  # the short convolution's width
 NORM_EPS = 1e-6  # inside the L2 norms of q and k
@@ -25,12 +27,40 @@ def integer(value, allowed):
     return None
 
 
+FP32_TINY = float(np.finfo(np.float32).tiny)  # the smallest normal FP32 number, 2^-126
+
+
 def real(value, allowed):
-    """value as a float if it is a finite real number (never a bool) in `allowed`."""
+    """value as a float if it is a real number (never a bool) in `allowed` that the
+    FP32 arithmetic keeps: finite in FP32 and, unless 0, normal (GPUs flush subnormals
+    to 0)."""
     if isinstance(value, numbers.Real) and not isinstance(value, bool):
-        if math.isfinite(value) and allowed(float(value)):
+        if math.isfinite(value) and allowed(float(value)) and fp32_normal(float(value)):
             return float(value)
     return None
+
+
+def fp32_normal(value: float) -> bool:
+    """Whether `value` is 0 or rounds to a finite, normal FP32 number."""
+    with np.errstate(over="ignore"):
+        single = abs(float(np.float32(value)))
+    return value == 0.0 or (math.isfinite(single) and single >= FP32_TINY)
+
+
+IN_FP32 = (f"that stays a finite, normal FP32 number (magnitude in [{FP32_TINY:.8g}, "
+           f"{float(np.finfo(np.float32).max):.8g}])")
+
+
+def _in_fp32(value) -> str:
+    """What FP32 makes of a real `value` that it does not keep, for an error message."""
+    if (not isinstance(value, numbers.Real) or isinstance(value, bool)
+            or not math.isfinite(value) or fp32_normal(float(value))):
+        return ""
+    with np.errstate(over="ignore"):
+        single = np.float32(value)
+    kind = ("out of range" if not np.isfinite(single) else
+            "subnormal" if single != 0 else "0")
+    return f" ({float(single)!r} in FP32: {kind})"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,10 +72,10 @@ class KdaConfig:
       tokens: T, tokens fed to one verify (2..8): the last sampled token plus T-1 drafts.
       record_tokens: RQ, tokens a record row holds; None means C * T (C =
         checkpoint_every). Must be >= T.
-      lower_bound: the gate's lower bound (finite, < 0); decays are
+      lower_bound: the gate's lower bound (< 0); decays are
         exp(lower_bound * sigmoid(.)).
-      scale: the query scale (finite, > 0); None means K**-0.5.
-      eps: the gated RMSNorm's epsilon (finite, > 0).
+      scale: the query scale (> 0); None means K**-0.5.
+      eps: the gated RMSNorm's epsilon (> 0).
       gate_mode: FP32 summation order of the gate projection: 0 = one chain over the
         K rank columns, 1 = four chains over column quarters added as ((c0+c1)+c2)+c3.
       split: CTAs per (request, head) in the CuTe DSL kernel (1, 2, 4, 8); None picks
@@ -55,8 +85,10 @@ class KdaConfig:
         the state only when the next T records would not fit after them (docs/spec.md,
         "Lazy checkpoint").
 
-    Integer fields take Python or NumPy integers (not bools), real fields any finite
-    real number; both are stored as Python int and float.
+    Integer fields take Python or NumPy integers (not bools), real fields any real
+    number that stays a finite, normal FP32 number (the arithmetic is FP32: a value
+    that overflows, underflows to 0 or is subnormal there is refused); both are stored
+    as Python int and float.
     """
 
     heads: int
@@ -75,9 +107,9 @@ class KdaConfig:
             ("tokens", integer, lambda v: 2 <= v <= 8, "an int in 2..8"),
             ("record_tokens", integer, lambda v: v >= self.tokens,
              f"None or an int >= tokens={self.tokens}"),
-            ("lower_bound", real, lambda v: v < 0, "a finite float < 0"),
-            ("scale", real, lambda v: v > 0, "None or a finite float > 0"),
-            ("eps", real, lambda v: v > 0, "a finite float > 0"),
+            ("lower_bound", real, lambda v: v < 0, f"a float < 0 {IN_FP32}"),
+            ("scale", real, lambda v: v > 0, f"None or a float > 0 {IN_FP32}"),
+            ("eps", real, lambda v: v > 0, f"a float > 0 {IN_FP32}"),
             ("gate_mode", integer, lambda v: v in (0, 1), "0 or 1"),
             ("split", integer, lambda v: v in SPLITS, f"None or one of {SPLITS}"),
             ("checkpoint_every", integer, lambda v: v >= 1, "an int >= 1"),
@@ -88,7 +120,8 @@ class KdaConfig:
                 continue
             normal = kind(value, allowed)
             if normal is None:
-                raise ValueError(f"{name}: expected {expected}, got {value!r}")
+                raise ValueError(f"{name}: expected {expected}, got {value!r}"
+                                 + _in_fp32(value))
             object.__setattr__(self, name, normal)
 
     @property

@@ -38,26 +38,29 @@ def decay(raw_g, a_log, dt_bias, lower_bound):
     return jnp.exp(lower_bound * jax.nn.sigmoid(jnp.exp(a_log)[:, None] * (raw_g + dt_bias)))
 
 
-def gate_projection(f_a, f_b, gate_mode, dtype=jnp.float32):
+def gate_projection(f_a, f_b, gate_mode):
     """raw_g = bf16(f_a . f_b[h]^T): [B, T, K] x [H, K, K] -> [B, T, H, K] bf16 values.
 
     gate_mode 0 sums the K rank columns as one chain; 1 as four chains over column
-    quarters added ((c0 + c1) + c2) + c3. Products of bf16 values are exact in FP32.
-    dtype: the result's; bfloat16 with gate_mode 0 is the product's own output, its FP32
-    sums rounded once (no FP32 array in memory).
+    quarters added ((c0 + c1) + c2) + c3. Each chain is written out as FP32 additions in
+    rank order, never a dot: a dot's summation order is the platform's (XLA:CPU's
+    differs between CPUs), and a different order can flip a bf16 rounding. Products of
+    bf16 values are exact in FP32, so a fused multiply-add rounds as the addition does.
     """
-    exact = dict(preferred_element_type=jnp.float32)  # FP32 sums of the exact products
-    if gate_mode == 0 and dtype == jnp.bfloat16:
-        return jnp.einsum("btr,hfr->bthf", f_a, f_b, preferred_element_type=jnp.bfloat16)
-    if gate_mode == 0:
-        total = jnp.einsum("btr,hfr->bthf", f_a, f_b, **exact)
-    else:
-        B, T = f_a.shape[:2]
-        H = f_b.shape[0]
-        quarters = jnp.einsum("btqr,hfqr->bthfq", f_a.reshape(B, T, 4, K // 4),
-                              f_b.reshape(H, K, 4, K // 4), **exact)
-        total = ((quarters[..., 0] + quarters[..., 1]) + quarters[..., 2]) + quarters[..., 3]
-    return round_bf16(total).astype(dtype)
+    chains = 4 if gate_mode == 1 else 1
+    a = jnp.moveaxis(f_a.astype(jnp.float32), -1, 0)[:, :, :, None, None]  # [K, B, T, 1, 1]
+    b = jnp.moveaxis(f_b.astype(jnp.float32), -1, 0)  # [K, H, features]
+    width = K // chains
+    sums = []
+    for first in range(0, K, width):
+        total = a[first] * b[first]
+        for r in range(first + 1, first + width):
+            total = total + a[r] * b[r]
+        sums.append(total)
+    total = sums[0]
+    for part in sums[1:]:
+        total = total + part
+    return round_bf16(total)
 
 
 def convolve(history, x, weight, bias):

@@ -142,12 +142,17 @@ def prompt_recurrence(state, replay: Replay, params: KdaParams, prompt: Prompt,
 
 def kernel_convolved(params: KdaParams, x, f_a, history, config: KdaConfig):
     """`rows.convolved` in bf16 arrays for the operands kernel: the convolution by its
-    kernel (`jax_kda.kernels.prompt_conv`), the gate projection rounded to bf16 by the
-    product itself where gate_mode 0 allows it."""
+    kernel (`jax_kda.kernels.prompt_conv`); in gate_mode 0 the gate projection is the
+    bf16 product's own output (FP32 sums in the GPU library's order, rounded once:
+    docs/spec.md, "Which path sums how"), in gate_mode 1 `layer.gate_projection`."""
     from jax_kda.ffi import cutedsl_prompt_conv  # the kernel's call, imported lazily
 
-    return (cutedsl_prompt_conv(x, history, params.conv_weight, params.conv_bias),
-            gate_projection(f_a, params.f_b, config.gate_mode, jnp.bfloat16))
+    if config.gate_mode == 0:
+        raw_g = jnp.einsum("btr,hfr->bthf", f_a, params.f_b,
+                           preferred_element_type=jnp.bfloat16)
+    else:
+        raw_g = gate_projection(f_a, params.f_b, config.gate_mode).astype(jnp.bfloat16)
+    return cutedsl_prompt_conv(x, history, params.conv_weight, params.conv_bias), raw_g
 
 
 @functools.partial(jax.jit, static_argnames=("config", "backend"))

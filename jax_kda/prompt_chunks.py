@@ -17,12 +17,15 @@ carries only S through three products: u from S, o's inter-chunk part, the next 
 (`scan_chunks`, or its CuTe DSL twin).
 
 P(s, t) is split around a reference token m as P(m, t) P(s, m), so that A and Bm are
-matrix products too: for t in sub-chunk i and s before it, m is the token before the
-sub-chunk (both factors <= 1); inside a sub-chunk, its middle token (a factor or its
-reciprocal, within 2^+-60: `subchunk`). Every factor is a product of decays, as the
-stock loop applies them; a difference of cumulative log decays would lose their low
-bits. Shapes: per-token vectors [B, H, P, K], beta [B, H, P], S [B, H, K, K] (value
-row, key column), as in `jax_kda.chunked`.
+matrix products too: for t in a block and s before it, m is the token before the block;
+inside a block, m is the token before it as well, P(s, t) = (prod_{m<r<=t} d_r) /
+(prod_{m<r<=s} d_r), the blocks short enough that both factors stay within 2^+-60
+(`pair_block`). Every factor is a product of decays, as the stock loop applies them (a
+difference of cumulative log decays would lose their low bits), and reads only decays
+up to its later token: a non-finite value in token j reaches no pair, solve row or
+output of a token before j (`jax_kda.triangular`). Shapes: per-token vectors
+[B, H, P, K], beta [B, H, P], S [B, H, K, K] (value row, key column), as in
+`jax_kda.chunked`.
 """
 from __future__ import annotations
 
@@ -33,16 +36,18 @@ import jax
 import jax.numpy as jnp
 
 from jax_kda.layer import HIGHEST, round_bf16
+from jax_kda.triangular import lower_mask, lower_product, unit_lower_inverse
 
 CHUNK = 64  # tokens per chunk: the scan's steps are P / CHUNK
-SUBCHUNK = 16  # the pair products' block, fewer where the decays are steep
+SUBCHUNK = 16  # the operands kernel's sub-chunk, fewer where the decays are steep
 EXPONENT_LIMIT = 60.0 * math.log(2.0)  # largest |log| of one factor of a pair's
 
 
 def subchunk(lower_bound: float) -> int:
     """The sub-chunk size c (a power of two <= SUBCHUNK): c / 2 tokens of decays at the
     bound make one factor of a pair at most 2^60 (both factors stay far from FP32's
-    range, and their product is the pair's)."""
+    range, and their product is the pair's), around a sub-chunk's middle token as the
+    operands kernel splits them."""
     c = SUBCHUNK
     while c > 1 and (c / 2) * -lower_bound > EXPONENT_LIMIT:
         c //= 2
@@ -60,22 +65,30 @@ def suffix_products(d):
     return jnp.concatenate([from_t[..., 1:, :], jnp.ones_like(d[..., :1, :])], axis=-2)
 
 
-def pair_products(q, k, d, c):
+def pair_block(lower_bound: float) -> int:
+    """Tokens per block of `pair_products` (a power of two <= SUBCHUNK / 2): the decays of
+    a block at the bound multiply to at least 2^-60, so a pair's factors, measured from
+    the token before its block, stay within 2^+-60. One token where a single decay may
+    fall below that: its only pair inside the block is itself."""
+    return max(1, subchunk(lower_bound) // 2)
+
+
+def pair_products(q, k, d, block):
     """A [.., C, C] (A[t, s], s < t) and Bm [.., C, C] (Bm[t, s], s <= t) of each chunk.
 
-    q, k, d: [.., C, K]. A pair's factor prod_{s<r<=t} d_r is split around a reference
-    token m as (prod_{m<r<=t} d_r) (prod_{s<r<=m} d_r), each factor a product of decays
-    or its reciprocal (within 2^+-60, `subchunk`)."""
+    q, k, d: [.., C, K]. A pair's factor prod_{s<r<=t} d_r is split around the token m
+    before t's block as (prod_{m<r<=t} d_r) (prod_{s<r<=m} d_r), or, s in the block too,
+    (prod_{m<r<=t} d_r) / (prod_{m<r<=s} d_r), each factor within 2^+-60 (`pair_block`)."""
     C = k.shape[-2]
-    t, s = jnp.arange(C)[:, None], jnp.arange(C)[None, :]
     A = jnp.zeros(k.shape[:-1] + (C,), jnp.float32)
     Bm = jnp.zeros_like(A)
-    for start in range(0, C, c):
-        rows = slice(start, start + c)
+    for start in range(0, C, block):
+        rows = slice(start, start + block)
         local = jax.lax.cumprod(d[..., rows, :], axis=d.ndim - 2)  # prod_{start<=r<=t} d_r
-        # the sub-chunk's own pairs, around its middle token
-        mid = local[..., c // 2 - 1 if c > 1 else 0, None, :]
-        right, left = local / mid, k[..., rows, :] * (mid / local)
+        if block == 1:  # the pair (t, t): no decay between
+            right, left = jnp.ones_like(local), k[..., rows, :]
+        else:
+            right, left = local, k[..., rows, :] / local
         A = A.at[..., rows, rows].set(mm("...tc,...sc->...ts", k[..., rows, :] * right, left))
         Bm = Bm.at[..., rows, rows].set(mm("...tc,...sc->...ts", q[..., rows, :] * right,
                                            left))
@@ -85,45 +98,8 @@ def pair_products(q, k, d, c):
                                                before))
             Bm = Bm.at[..., rows, :start].set(mm("...tc,...sc->...ts",
                                                  q[..., rows, :] * local, before))
-    return jnp.where(s < t, A, 0.0), jnp.where(s <= t, Bm, 0.0)
-
-
-def diagonal_blocks(N, size):
-    """[..., C / size, size, size]: the diagonal blocks of N [..., C, C]."""
-    n = N.shape[-1] // size
-    blocks = N.reshape(N.shape[:-2] + (n, size, n, size))
-    return jnp.stack([blocks[..., i, :, i, :] for i in range(n)], axis=-3)
-
-
-def unit_lower_inverse(N):
-    """(I + N)^-1 for N [..., C, C] strictly lower triangular, C a power of two.
-
-    Blocks of up to SUBCHUNK rows by forward substitution (each row an expression of
-    the rows above it, for all blocks at once), then blocks of twice the size from their
-    halves, [[A, 0], [G, D]]^-1 = [[A^-1, 0], [-D^-1 G A^-1, D^-1]]: blocked
-    substitution, whose intermediates stay the size of the inverse's entries (a product
-    of powers of N would not)."""
-    C = N.shape[-1]
-    size = min(SUBCHUNK, C)
-    blocks = diagonal_blocks(N, size)
-    eye = jnp.eye(size, dtype=N.dtype)
-    rows = []
-    for i in range(size):
-        row = jnp.broadcast_to(eye[i], blocks.shape[:-2] + (size,))
-        for j in range(i):
-            row = row - blocks[..., i, j, None] * rows[j]
-        rows.append(row)
-    inverse = jnp.stack(rows, axis=-2)  # [..., C / size, size, size]
-    while size < C:
-        pairs = inverse.reshape(inverse.shape[:-3] + (inverse.shape[-3] // 2, 2, size, size))
-        first, second = pairs[..., 0, :, :], pairs[..., 1, :, :]
-        coupling = diagonal_blocks(N, 2 * size)[..., size:, :size]
-        below = -mm("...ts,...sr->...tr", second, mm("...ts,...sr->...tr", coupling, first))
-        inverse = jnp.concatenate([
-            jnp.concatenate([first, jnp.zeros_like(first)], axis=-1),
-            jnp.concatenate([below, second], axis=-1)], axis=-2)
-        size *= 2
-    return inverse.reshape(N.shape)
+    return (jnp.where(lower_mask(C, strict=True), A, 0.0),
+            jnp.where(lower_mask(C), Bm, 0.0))
 
 
 def scan_chunks(state, u_v, w_k, gq, tail, decay, bm, *, unroll: int = 4):
@@ -146,7 +122,7 @@ def scan_chunks(state, u_v, w_k, gq, tail, decay, bm, *, unroll: int = 4):
                                                                          decay))),
                                      unroll=max(1, min(unroll, N)))
     u, inter = jnp.moveaxis(u, 0, 2), jnp.moveaxis(inter, 0, 2)
-    return state, inter + mm("...ts,...sr->...tr", bm, u)
+    return state, inter + lower_product(bm, u, SUBCHUNK)
 
 
 class Operands(NamedTuple):
@@ -168,8 +144,8 @@ def chunk_operands(q, k, v, beta, d, *, lower_bound: float, chunk: int | None = 
     its kernel). q, k, v, d: [B, H, P, K]; beta: [B, H, P]. Tokens past a prompt are
     identities (d = 1, beta = 0) and P is padded with them to whole chunks.
     lower_bound: the config's (every log decay lies in [lower_bound, 0]); chunk: tokens
-    per chunk (default `chunk_size`, at most 8 sub-chunks: the pair products' graph
-    grows with their count)."""
+    per chunk (default `chunk_size`, at most 16 blocks of `pair_block`: the pair
+    products' graph grows with their count)."""
     B, H, P = beta.shape
     K = k.shape[-1]
     chunk = chunk or chunk_size(lower_bound)
@@ -181,11 +157,11 @@ def chunk_operands(q, k, v, beta, d, *, lower_bound: float, chunk: int | None = 
         (B, H, N, chunk) + a.shape[3:])
     q, k, v, beta, d = (split(q, 0.0), split(k, 0.0), split(v, 0.0), split(beta, 0.0),
                         split(d, 1.0))
-    A, Bm = pair_products(q, k, d, subchunk(lower_bound))
+    A, Bm = pair_products(q, k, d, pair_block(lower_bound))
     gamma = jax.lax.cumprod(d, axis=3)  # prod_{r<=t} d_r
     # u = u_v - w_k S^T, both solved for every chunk at once
     rhs = beta[..., None] * jnp.concatenate([v, gamma * k], axis=-1)
-    solved = mm("...ts,...sr->...tr", unit_lower_inverse(beta[..., None] * A), rhs)
+    solved = lower_product(unit_lower_inverse(beta[..., None] * A), rhs, SUBCHUNK)
     tail = k * suffix_products(d)  # k_t prod_{r>t} d_r
     return Operands(solved[..., :K], solved[..., K:], gamma * q, tail, gamma[..., -1, :], Bm)
 

@@ -119,6 +119,7 @@ def test_unknown_backend(arguments):
         fused_verify(*arguments, CONFIG, backend="triton")
 
 
+FP32 = "that stays a finite, normal FP32 number (magnitude in [1.1754944e-38, 3.4028235e+38])"
 CONFIG_ERRORS = [
     ("heads0", {"heads": 0}, "heads: expected an int >= 1, got 0"),
     ("heads_float", {"heads": 2.0}, "heads: expected an int >= 1, got 2.0"),
@@ -140,23 +141,32 @@ CONFIG_ERRORS = [
     ("split3", {"split": 3}, "split: expected None or one of (1, 2, 4, 8), got 3"),
     ("split_bool", {"split": True}, "split: expected None or one of (1, 2, 4, 8), got True"),
     ("lower_bound_str", {"lower_bound": "-5"},
-     "lower_bound: expected a finite float < 0, got '-5'"),
-    ("lower_bound5", {"lower_bound": 5.0}, "lower_bound: expected a finite float < 0, got 5.0"),
-    ("lower_bound0", {"lower_bound": 0}, "lower_bound: expected a finite float < 0, got 0"),
+     f"lower_bound: expected a float < 0 {FP32}, got '-5'"),
+    ("lower_bound5", {"lower_bound": 5.0}, f"lower_bound: expected a float < 0 {FP32}, got 5.0"),
+    ("lower_bound0", {"lower_bound": 0}, f"lower_bound: expected a float < 0 {FP32}, got 0"),
     ("lower_bound_inf", {"lower_bound": float("inf")},
-     "lower_bound: expected a finite float < 0, got inf"),
+     f"lower_bound: expected a float < 0 {FP32}, got inf"),
     ("lower_bound_-inf", {"lower_bound": float("-inf")},
-     "lower_bound: expected a finite float < 0, got -inf"),
-    ("scale_str", {"scale": "0.1"}, "scale: expected None or a finite float > 0, got '0.1'"),
-    ("scale0", {"scale": 0}, "scale: expected None or a finite float > 0, got 0"),
-    ("scale-1", {"scale": -1.0}, "scale: expected None or a finite float > 0, got -1.0"),
-    ("scale_inf", {"scale": float("inf")}, "scale: expected None or a finite float > 0, got inf"),
-    ("eps_str", {"scale": None, "eps": "1e-5"}, "eps: expected a finite float > 0, got '1e-5'"),
-    ("eps_nan", {"eps": float("nan")}, "eps: expected a finite float > 0, got nan"),
-    ("eps_inf", {"eps": float("inf")}, "eps: expected a finite float > 0, got inf"),
-    ("eps0", {"eps": 0.0}, "eps: expected a finite float > 0, got 0.0"),
-    ("eps-1", {"eps": -1}, "eps: expected a finite float > 0, got -1"),
-    ("eps_bool", {"eps": True}, "eps: expected a finite float > 0, got True"),
+     f"lower_bound: expected a float < 0 {FP32}, got -inf"),
+    ("scale_str", {"scale": "0.1"}, f"scale: expected None or a float > 0 {FP32}, got '0.1'"),
+    ("scale0", {"scale": 0}, f"scale: expected None or a float > 0 {FP32}, got 0"),
+    ("scale-1", {"scale": -1.0}, f"scale: expected None or a float > 0 {FP32}, got -1.0"),
+    ("scale_inf", {"scale": float("inf")}, f"scale: expected None or a float > 0 {FP32}, got inf"),
+    ("eps_str", {"scale": None, "eps": "1e-5"}, f"eps: expected a float > 0 {FP32}, got '1e-5'"),
+    ("eps_nan", {"eps": float("nan")}, f"eps: expected a float > 0 {FP32}, got nan"),
+    ("eps_inf", {"eps": float("inf")}, f"eps: expected a float > 0 {FP32}, got inf"),
+    ("eps0", {"eps": 0.0}, f"eps: expected a float > 0 {FP32}, got 0.0"),
+    ("eps-1", {"eps": -1}, f"eps: expected a float > 0 {FP32}, got -1"),
+    # values that FP32, the arithmetic's precision, overflows, flushes or rounds to 0
+    ("eps_subnormal", {"eps": 1e-40},
+     f"eps: expected a float > 0 {FP32}, got 1e-40 (9.99994610111476e-41 in FP32: subnormal)"),
+    ("scale_overflow", {"scale": 1e39},
+     f"scale: expected None or a float > 0 {FP32}, got 1e+39 (inf in FP32: out of range)"),
+    ("lower_bound_zero_in_fp32", {"lower_bound": -1e-50},
+     f"lower_bound: expected a float < 0 {FP32}, got -1e-50 (-0.0 in FP32: 0)"),
+    ("lower_bound_overflow", {"lower_bound": -1e39},
+     f"lower_bound: expected a float < 0 {FP32}, got -1e+39 (-inf in FP32: out of range)"),
+    ("eps_bool", {"eps": True}, f"eps: expected a float > 0 {FP32}, got True"),
 ]
 
 

@@ -18,6 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import bad_values
 from jax_kda import AWAITING, KdaConfig, accept, fused_verify
 from jax_kda.ffi import cutedsl_chunk_states
 from jax_kda.prompt_chunks import scan_chunks
@@ -312,6 +313,25 @@ def test_raw_gates_of_both_modes_bit_for_bit():
         gates = np.asarray(cache.key_gates[np.asarray(inputs.record_rows), :, :4, 1],
                            np.float32)
         np.testing.assert_array_equal(gates, value, err_msg=f"gate_mode {gate_mode}")
+
+
+BAD_CASES = [(field, value, split) for field in bad_values.FIELDS
+             for value in bad_values.VALUES for split in (1, 2)]
+
+
+@pytest.mark.parametrize("field, value, split", BAD_CASES,
+                         ids=[f"{f}-{v}-split{s}" for f, v, s in BAD_CASES])
+def test_a_bad_draft_reaches_nothing_before_it(field, value, split):
+    """A bad value (NaN, +-inf, 3e38) in the last draft of request 0 leaves its earlier
+    tokens, their records and window, the other requests and the next step after
+    accepting the earlier tokens bitwise as a clean run leaves them
+    (tests/bad_values.py)."""
+    config = KdaConfig(heads=3, tokens=4, split=split)
+    params, cache, inputs = problem(config, seed=90 + split, edge_cases=False)
+    step = kernel_step(config)
+    bad_values.check_verify(
+        lambda p, c, i: step(p, c, i), lambda c, rows, a: accept(c, rows, a, config),
+        params, cache, inputs, config, field, config.tokens - 1, value, copy=copy)
 
 
 def test_pending_awaits_the_accept():

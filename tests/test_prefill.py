@@ -12,8 +12,9 @@ import pytest
 import numpy_model
 from compare import assert_out_close, assert_same_bits, assert_scaled_close
 from jax_kda import KdaConfig, PrefillInputs, accept, flush, fused_verify, prefill
-from jax_kda.prompt_chunks import unit_lower_inverse
+from jax_kda.triangular import unit_lower_inverse
 from jax_kda.ref import stock_prefill
+from prompts import random_prompts
 
 # Worst error allowed against the float64 model (units of compare.py: outputs relative
 # to |e| + their row's mean |e|, states relative to the buffer's max |e|).
@@ -40,23 +41,6 @@ def assert_close(name, actual, expected):
         assert_out_close(actual, expected, TOLERANCES["out"])
     else:
         assert_scaled_close(actual, expected, TOLERANCES[name], name)
-
-
-def random_prompts(rng, config, lengths, slots, record_rows, width):
-    """PrefillInputs of random tokens, [B, width, ...], NaN past each prompt's length
-    (padding that must reach nothing)."""
-    B, H = len(slots), config.heads
-    lengths = np.asarray(lengths, np.int32)
-
-    def bf16(*shape):
-        past = np.arange(width)[None, :] >= lengths[:, None]
-        values = rng.standard_normal((B, width) + shape)
-        values[past] = np.nan
-        return jnp.asarray(values, jnp.bfloat16)
-
-    return PrefillInputs(x=bf16(3, H, 128), f_a=bf16(128), beta=bf16(H), gate=bf16(H, 128),
-                         lengths=jnp.asarray(lengths), slots=jnp.asarray(slots, jnp.int32),
-                         record_rows=jnp.asarray(record_rows, jnp.int32))
 
 
 def poisoned(cache):

@@ -25,6 +25,7 @@ from jax_kda.pytrees import KdaCache, KdaParams, PrefillInputs
 from jax_kda.rows import (Replay, convolved, layer_of, locate, normalized, pad_rows,
                           read_history, read_replay, read_state, two_rows, write,
                           write_pending)
+from jax_kda.transforms import request_batched
 from jax_kda.validate import (BF16, BOOL, check_cache, check_layer, check_params,
                               check_rows, expect, typed)
 from jax_kda.verify import BACKENDS, cutedsl_supported
@@ -165,6 +166,19 @@ def _with_backend(backend: str):
     return functools.partial(_prefill, backend=backend)
 
 
+@functools.lru_cache(maxsize=None)
+def _entry(config: KdaConfig, backend: str):
+    """The backend's prefill, split by heads where they are sharded (`per_head`), as
+    `transforms.request_batched` runs it: a mapped axis of the inputs folds into the
+    batch under `jax.vmap`, differentiation raises."""
+
+    def run(shared, requests):
+        return per_head(_with_backend(backend), config, shared["params"], shared["cache"],
+                        requests["inputs"], shared["layer"])
+
+    return request_batched("prefill", run, instead="jax_kda.ref.stock_prefill (same signature)")
+
+
 def _scan_kernel_fits(config: KdaConfig) -> bool:
     """Whether the chunk size suits the scan kernel (a multiple of 16 tokens)."""
     return prompt_chunks.chunk_size(config.lower_bound) % 16 == 0
@@ -209,4 +223,5 @@ def prefill(params: KdaParams, cache: KdaCache, inputs: PrefillInputs, config: K
         raise ValueError(f"backend='cutedsl': the prefill's chunks of "
                          f"{prompt_chunks.chunk_size(config.lower_bound)} tokens (lower_bound "
                          f"{config.lower_bound}) are not a multiple of 16; use backend='jax'")
-    return per_head(_with_backend(backend), config, params, cache, inputs, layer)
+    return _entry(config, backend)(dict(params=params, cache=cache, layer=layer),
+                                   dict(inputs=inputs))

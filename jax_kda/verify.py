@@ -5,11 +5,11 @@ from __future__ import annotations
 import functools
 
 import jax
-import jax.numpy as jnp
 
 from jax_kda.config import KdaConfig
 from jax_kda.partitioning import per_head
 from jax_kda.pytrees import KdaCache, KdaParams, VerifyInputs
+from jax_kda.transforms import request_batched
 from jax_kda.validate import check_verify
 from jax_kda.xla import xla_verify
 
@@ -67,39 +67,26 @@ def fused_verify(params: KdaParams, cache: KdaCache, inputs: VerifyInputs,
     batch, layer = check_verify(params, cache, inputs, config, layer)
     if backend == "auto":
         backend = "cutedsl" if cutedsl_supported() and _kernel_fits(config, batch) else "jax"
-    return _folding(config, backend)(params, cache, inputs, layer)
+    return _entry(config, backend)(dict(params=params, cache=cache, layer=layer),
+                                   dict(inputs=inputs))
 
 
 @functools.lru_cache(maxsize=None)
-def _folding(config: KdaConfig, backend: str):
-    """The backend's verify, split by heads where they are sharded (`per_head`), and
-    under `jax.vmap`: a mapped axis of the inputs folds into the batch (the requests of
-    every mapped instance share the cache, as in one call); mapped params, cache or
-    layer are refused."""
+def _entry(config: KdaConfig, backend: str):
+    """The backend's verify, split by heads where they are sharded (`per_head`), as
+    `transforms.request_batched` runs it: a mapped axis of the inputs folds into the
+    batch under `jax.vmap`, differentiation raises."""
     if backend == "jax":
         verify = xla_verify
     else:
         from jax_kda.ffi import cutedsl_verify as verify  # the kernel's custom call, lazily
 
-    @jax.custom_batching.custom_vmap
-    def run(params, cache, inputs, layer):
-        return per_head(verify, config, params, cache, inputs, layer)
+    def run(shared, requests):
+        return per_head(verify, config, shared["params"], shared["cache"], requests["inputs"],
+                        shared["layer"])
 
-    @run.def_vmap
-    def fold(axis_size, in_batched, params, cache, inputs, layer):
-        params_b, cache_b, inputs_b, layer_b = in_batched
-        if any(jax.tree.leaves((params_b, cache_b, layer_b))):
-            raise ValueError("jax.vmap of fused_verify: only the inputs may be mapped (their "
-                             "mapped axis folds into the batch B); params, cache and layer "
-                             "must not be")
-        widen = lambda a, mapped: a if mapped else jnp.broadcast_to(a, (axis_size,) + a.shape)
-        fold_in = lambda a: a.reshape((-1,) + a.shape[2:])  # [V, B, ...] -> [V B, ...]
-        folded = jax.tree.map(lambda a, mapped: fold_in(widen(a, mapped)), inputs, inputs_b)
-        out, cache = run(params, cache, folded, layer)
-        unmapped = jax.tree.map(lambda _: False, cache)
-        return (out.reshape((axis_size, -1) + out.shape[1:]), cache), (True, unmapped)
-
-    return run
+    return request_batched("fused_verify", run,
+                           instead="jax_kda.ref.stock_verify (same signature)")
 
 
 def _kernel_fits(config: KdaConfig, batch: int) -> bool:

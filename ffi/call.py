@@ -7,8 +7,8 @@ kernel configuration (`verify_kernel`'s object) for symbolic B, S, R and L: one 
 serves every batch, cache and layer count, and a new batch size lowers without a
 compile. CuTe DSL compiles for sm_90a during lowering, also under `jax.export` on a
 machine without a GPU. The binary runs through CuTe DSL's FFI target for JAX (the one
-`cutlass.jax.cutlass_call` uses, which XLA may record in its command buffers). On any
-other platform the lowering raises a clear error.
+`cutlass.jax.cutlass_call` uses, which XLA may record in its command buffers). A
+program lowered for no CUDA platform raises a clear error.
 """
 from __future__ import annotations
 
@@ -93,17 +93,22 @@ def launch_compiled(compiled, arrays, outputs, aliases):
 
 def register_cuda_lowering(primitive, cuda_lowering, call):
     """`cuda_lowering` (a function of the operands and params, as `mlir.lower_fun` takes
-    it) for CUDA, and on every other platform a ValueError that names `call`."""
+    it) wherever the program is lowered for CUDA, beside other platforms too, and a
+    ValueError that names `call` where it is lowered for no CUDA at all. In a program
+    for several platforms `backend="auto"` reaches the call on CUDA only (its branch of
+    `jax.lax.platform_dependent`); an explicit "cutedsl" fails to compile elsewhere."""
+    lowered = mlir.lower_fun(cuda_lowering, multiple_results=True)
 
-    def other_lowering(ctx, *arrays, **params):
-        raise ValueError(
-            f"{call} backend='cutedsl': the CuTe DSL kernel runs on CUDA GPUs of compute "
-            f"capability >= 9.0, and this program is lowered for "
-            f"{ctx.module_context.platforms}; use backend='auto' or backend='jax'")
+    def lowering(ctx, *arrays, **params):
+        platforms = tuple(ctx.platforms or ctx.module_context.platforms)
+        if "cuda" not in platforms:
+            raise ValueError(
+                f"{call} backend='cutedsl': the CuTe DSL kernel runs on CUDA GPUs of compute "
+                f"capability >= 9.0, and this program is lowered for {platforms}; use "
+                f"backend='auto' or backend='jax'")
+        return lowered(ctx, *arrays, **params)
 
-    mlir.register_lowering(primitive, other_lowering)
-    mlir.register_lowering(primitive, mlir.lower_fun(cuda_lowering, multiple_results=True),
-                           platform="cuda")
+    mlir.register_lowering(primitive, lowering)
 
 
 register_cuda_lowering(verify_p, _cuda_lowering, "fused_verify")

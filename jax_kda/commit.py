@@ -21,6 +21,7 @@ from jax_kda.partitioning import per_head
 from jax_kda.pytrees import KdaCache, KdaParams, kept
 from jax_kda.rows import (locate, read_history, read_replay, read_state, two_rows, write,
                           write_pending, write_state)
+from jax_kda.transforms import request_batched
 from jax_kda.validate import check_cache, check_params, check_rows, typed
 
 
@@ -38,8 +39,21 @@ def accept(cache: KdaCache, record_rows, accepted, config: KdaConfig) -> KdaCach
     _, R, _ = check_cache(cache, config)
     B = check_rows("record_rows", record_rows)
     check_rows("accepted", accepted, B)
-    return dataclasses.replace(cache, pending=_accept(cache.pending, record_rows, accepted,
-                                                      config.tokens, config.rq))
+    _, pending = _accept_entry(config.tokens, config.rq)(
+        dict(cache=cache.pending), dict(record_rows=record_rows, accepted=accepted))
+    return dataclasses.replace(cache, pending=pending)
+
+
+@functools.lru_cache(maxsize=None)
+def _accept_entry(tokens: int, record_tokens: int):
+    """`_accept` as `transforms.request_batched` runs it: a mapped axis of record_rows and
+    accepted folds into the batch under `jax.vmap`. Only the (integer) pending goes
+    through it: the cache's other leaves pass by, differentiable as they are."""
+    def run(shared, requests):
+        return None, _accept(shared["cache"], requests["record_rows"], requests["accepted"],
+                             tokens, record_tokens)
+
+    return request_batched("accept", run)
 
 
 @functools.partial(jax.jit, static_argnums=(3, 4))
@@ -71,7 +85,23 @@ def flush(params: KdaParams, cache: KdaCache, slots, record_rows,
     check_params(params, config, False if L is None else L)
     B = check_rows("slots", slots)
     check_rows("record_rows", record_rows, B)
-    return per_head(_flush_layers, config, params, cache, slots, record_rows)
+    _, cache = _flush_entry(config)(dict(params=params, cache=cache),
+                                    dict(slots=slots, record_rows=record_rows))
+    return cache
+
+
+@functools.lru_cache(maxsize=None)
+def _flush_entry(config: KdaConfig):
+    """`_flush_layers`, split by heads where they are sharded (`per_head`), as
+    `transforms.request_batched` runs it: a mapped axis of slots and record_rows folds
+    into the batch under `jax.vmap`, differentiation raises."""
+    def run(shared, requests):
+        return None, per_head(_flush_layers, config, shared["params"], shared["cache"],
+                              requests["slots"], requests["record_rows"])
+
+    return request_batched(
+        "flush", run, instead="jax_kda.ref.stock_prefill on a resumed piece of length 0 "
+                              "(a flush of one layer: docs/spec.md, \"Prefill\")")
 
 
 def _flush_layers(params, cache, slots, record_rows, *, config):

@@ -25,9 +25,10 @@ from jax_kda.pytrees import KdaCache, KdaParams, PrefillInputs
 from jax_kda.rows import (Replay, convolved, layer_of, locate, normalized, pad_rows,
                           read_history, read_replay, read_state, two_rows, write,
                           write_pending)
+from jax_kda.transforms import request_batched
 from jax_kda.validate import (BF16, BOOL, check_cache, check_layer, check_params,
                               check_rows, expect, typed)
-from jax_kda.verify import BACKENDS, cutedsl_supported
+from jax_kda.verify import BACKENDS, kernel_available, on_cuda
 
 
 def check_prefill(params: KdaParams, cache: KdaCache, inputs: PrefillInputs,
@@ -165,9 +166,25 @@ def _prefill(params, cache, inputs, layer, *, config, backend):
 
 @functools.lru_cache(maxsize=None)
 def _with_backend(backend: str):
-    """`_prefill` with its backend bound, one object per backend (a static key of
-    `per_head`'s partitioning, which a new object each call would miss)."""
+    """`_prefill` with its backend bound ("auto": the kernels' on CUDA, XLA's elsewhere),
+    one object per backend (a static key of `per_head`'s partitioning, which a new
+    object each call would miss)."""
+    if backend == "auto":
+        return on_cuda(_with_backend("cutedsl"), _with_backend("jax"))
     return functools.partial(_prefill, backend=backend)
+
+
+@functools.lru_cache(maxsize=None)
+def _entry(config: KdaConfig, backend: str):
+    """The backend's prefill, split by heads where they are sharded (`per_head`), as
+    `transforms.request_batched` runs it: a mapped axis of the inputs folds into the
+    batch under `jax.vmap`, differentiation raises."""
+
+    def run(shared, requests):
+        return per_head(_with_backend(backend), config, shared["params"], shared["cache"],
+                        requests["inputs"], shared["layer"])
+
+    return request_batched("prefill", run, instead="jax_kda.ref.stock_prefill (same signature)")
 
 
 def _scan_kernel_fits(config: KdaConfig) -> bool:
@@ -190,8 +207,10 @@ def prefill(params: KdaParams, cache: KdaCache, inputs: PrefillInputs, config: K
       backend: where the prompt's convolution and chunks run: "cutedsl" (CuTe DSL
         kernels, CUDA GPUs of compute capability >= 9.0: the scan over chunks for chunks
         of a multiple of 16 tokens, and the convolution and the chunks' operands too at
-        lower_bound >= about -5.2), "jax" (XLA, any device) or "auto" (the kernels where
-        they run); the gate projection and gated norm are XLA's either way.
+        lower_bound >= about -5.2), "jax" (XLA, any device) or "auto": where the chunks
+        suit the scan kernel and `kernel_available()`, the kernels on CUDA and XLA on
+        every other platform, chosen when the program is lowered; else "jax". The gate
+        projection and gated norm are XLA's either way.
       layer: for stacked params and cache, the layer to run (a Python int or an int32
         scalar, e.g. traced in `lax.scan`); None for one layer's.
 
@@ -208,10 +227,11 @@ def prefill(params: KdaParams, cache: KdaCache, inputs: PrefillInputs, config: K
     if backend not in BACKENDS:
         raise ValueError(f"backend: expected one of {BACKENDS}, got {backend!r}")
     layer = check_prefill(params, cache, inputs, config, layer)
-    if backend == "auto":
-        backend = "cutedsl" if cutedsl_supported() and _scan_kernel_fits(config) else "jax"
+    if backend == "auto" and not (kernel_available() and _scan_kernel_fits(config)):
+        backend = "jax"
     elif backend == "cutedsl" and not _scan_kernel_fits(config):
         raise ValueError(f"backend='cutedsl': the prefill's chunks of "
                          f"{prompt_chunks.chunk_size(config.lower_bound)} tokens (lower_bound "
                          f"{config.lower_bound}) are not a multiple of 16; use backend='jax'")
-    return per_head(_with_backend(backend), config, params, cache, inputs, layer)
+    return _entry(config, backend)(dict(params=params, cache=cache, layer=layer),
+                                   dict(inputs=inputs))

@@ -5,30 +5,58 @@ from __future__ import annotations
 import functools
 
 import jax
-import jax.numpy as jnp
 
 from jax_kda.config import KdaConfig
 from jax_kda.partitioning import per_head
 from jax_kda.pytrees import KdaCache, KdaParams, VerifyInputs
+from jax_kda.transforms import request_batched
 from jax_kda.validate import check_verify
 from jax_kda.xla import xla_verify
 
 BACKENDS = ("auto", "jax", "cutedsl")
 
 
-def cutedsl_supported(device=None) -> bool:
-    """True where the CuTe DSL kernel can run: a CUDA GPU of compute capability >= 9.0
-    (the default device unless one is given) and nvidia-cutlass-dsl installed."""
-    device = jax.devices()[0] if device is None else device
+def _cuda_major(device) -> int | None:
+    """The major compute capability of a CUDA GPU, None for any other device."""
     if device.platform != "gpu" or not hasattr(device, "compute_capability"):
-        return False
-    if int(str(device.compute_capability).split(".")[0]) < 9:
+        return None
+    return int(str(device.compute_capability).split(".")[0])
+
+
+def kernel_available(device=None) -> bool:
+    """True where `backend="auto"` may take the kernels for CUDA: nvidia-cutlass-dsl is
+    installed (they compile for sm_90a on any host) and `device` (the default device
+    unless one is given) is no CUDA GPU of compute capability < 9.0."""
+    device = jax.devices()[0] if device is None else device
+    major = _cuda_major(device)
+    if major is not None and major < 9:
         return False
     try:
         import cutlass  # noqa: F401 - installed or not
     except ImportError:
         return False
     return True
+
+
+def cutedsl_supported(device=None) -> bool:
+    """True where the CuTe DSL kernel can run: a CUDA GPU of compute capability >= 9.0
+    (the default device unless one is given) and nvidia-cutlass-dsl installed."""
+    device = jax.devices()[0] if device is None else device
+    return _cuda_major(device) is not None and kernel_available(device)
+
+
+@functools.lru_cache(maxsize=None)
+def on_cuda(kernel, xla):
+    """A backend (args..., config=) that runs `kernel` where the program runs on CUDA and
+    `xla` on every other platform, chosen when it is lowered (`jax.lax.platform_dependent`):
+    a program lowered for the CPU neither lowers nor compiles the kernel, one exported for
+    ["cuda", "cpu"] carries both."""
+
+    def run(*args, config: KdaConfig):
+        return jax.lax.platform_dependent(*args, cuda=functools.partial(kernel, config=config),
+                                          default=functools.partial(xla, config=config))
+
+    return run
 
 
 def fused_verify(params: KdaParams, cache: KdaCache, inputs: VerifyInputs,
@@ -42,8 +70,10 @@ def fused_verify(params: KdaParams, cache: KdaCache, inputs: VerifyInputs,
       inputs: this step's `VerifyInputs` (x [B, T, 3, H, K] bf16, ...).
       config: the static `KdaConfig`.
       backend: "cutedsl" (the fused CuTe DSL kernel, CUDA GPUs of compute capability
-        >= 9.0), "jax" (the chunked form in XLA, any device) or "auto" (the kernel
-        where it runs and its CTA fits the shared memory, else "jax").
+        >= 9.0), "jax" (the chunked form in XLA, any device) or "auto": where the
+        kernel's CTA fits the shared memory and `kernel_available()`, the kernel on
+        CUDA and "jax" on every other platform, chosen when the program is lowered (an
+        export for ["cuda", "cpu"] carries both); else "jax".
       layer: with stacked params and cache (a leading layer axis L on every leaf), the
         layer to run: a Python int or an int32 scalar (e.g. traced in `lax.scan`). The
         layer's rows are read and written in the stacked buffers, nothing is sliced
@@ -65,41 +95,30 @@ def fused_verify(params: KdaParams, cache: KdaCache, inputs: VerifyInputs,
     if backend not in BACKENDS:
         raise ValueError(f"backend: expected one of {BACKENDS}, got {backend!r}")
     batch, layer = check_verify(params, cache, inputs, config, layer)
-    if backend == "auto":
-        backend = "cutedsl" if cutedsl_supported() and _kernel_fits(config, batch) else "jax"
-    return _folding(config, backend)(params, cache, inputs, layer)
+    if backend == "auto" and not (kernel_available() and _kernel_fits(config, batch)):
+        backend = "jax"
+    return _entry(config, backend)(dict(params=params, cache=cache, layer=layer),
+                                   dict(inputs=inputs))
 
 
 @functools.lru_cache(maxsize=None)
-def _folding(config: KdaConfig, backend: str):
-    """The backend's verify, split by heads where they are sharded (`per_head`), and
-    under `jax.vmap`: a mapped axis of the inputs folds into the batch (the requests of
-    every mapped instance share the cache, as in one call); mapped params, cache or
-    layer are refused."""
+def _entry(config: KdaConfig, backend: str):
+    """The backend's verify, split by heads where they are sharded (`per_head`), as
+    `transforms.request_batched` runs it: a mapped axis of the inputs folds into the
+    batch under `jax.vmap`, differentiation raises."""
     if backend == "jax":
         verify = xla_verify
     else:
-        from jax_kda.ffi import cutedsl_verify as verify  # the kernel's custom call, lazily
+        from jax_kda.ffi import cutedsl_verify  # the kernel's custom call, lazily
 
-    @jax.custom_batching.custom_vmap
-    def run(params, cache, inputs, layer):
-        return per_head(verify, config, params, cache, inputs, layer)
+        verify = cutedsl_verify if backend == "cutedsl" else on_cuda(cutedsl_verify, xla_verify)
 
-    @run.def_vmap
-    def fold(axis_size, in_batched, params, cache, inputs, layer):
-        params_b, cache_b, inputs_b, layer_b = in_batched
-        if any(jax.tree.leaves((params_b, cache_b, layer_b))):
-            raise ValueError("jax.vmap of fused_verify: only the inputs may be mapped (their "
-                             "mapped axis folds into the batch B); params, cache and layer "
-                             "must not be")
-        widen = lambda a, mapped: a if mapped else jnp.broadcast_to(a, (axis_size,) + a.shape)
-        fold_in = lambda a: a.reshape((-1,) + a.shape[2:])  # [V, B, ...] -> [V B, ...]
-        folded = jax.tree.map(lambda a, mapped: fold_in(widen(a, mapped)), inputs, inputs_b)
-        out, cache = run(params, cache, folded, layer)
-        unmapped = jax.tree.map(lambda _: False, cache)
-        return (out.reshape((axis_size, -1) + out.shape[1:]), cache), (True, unmapped)
+    def run(shared, requests):
+        return per_head(verify, config, shared["params"], shared["cache"], requests["inputs"],
+                        shared["layer"])
 
-    return run
+    return request_batched("fused_verify", run,
+                           instead="jax_kda.ref.stock_verify (same signature)")
 
 
 def _kernel_fits(config: KdaConfig, batch: int) -> bool:

@@ -1,0 +1,147 @@
+"""backend="auto" decided per platform when the program is lowered (marker `kernels`:
+the kernels compile for sm_90a on this CPU host): a verify or a prefill exported from
+here for CUDA carries the kernels' custom calls, as backend="cutedsl" does; lowered for
+the CPU it neither lowers nor compiles a kernel and runs backend="jax"'s program; one
+artifact exported for ["cuda", "cpu"] carries both, its CPU path bitwise backend="jax"'s.
+Where the kernels cannot take the configuration, "auto" is the XLA path alone."""
+import functools
+from types import SimpleNamespace
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+pytest.importorskip("cutlass", reason="needs nvidia-cutlass-dsl")
+
+from jax import export  # noqa: E402
+
+from compare import assert_same_bits  # noqa: E402
+from jax_kda import KdaConfig, PrefillInputs, fused_verify, prefill  # noqa: E402
+from jax_kda.ffi import call, chunks  # noqa: E402
+from jax_kda.verify import cutedsl_supported, kernel_available  # noqa: E402
+
+pytestmark = pytest.mark.kernels
+
+TARGET = "CuteDSLRT_NvJaxCutlassCall_v2"
+NUM_SLOTS, NUM_RECORDS = 5, 4
+KERNELS = {"verify": 1, "prefill": 3}  # prefill: convolution, chunk operands, scan (chunks of 64)
+
+
+def verify_step(draw, config=KdaConfig(heads=2, tokens=4, split=2)):
+    """fused_verify of `config` (backend= open) and its arguments: three requests."""
+    args = (draw.params(draw.key(51), config),
+            draw.cache(draw.key(52), config, NUM_SLOTS, NUM_RECORDS),
+            draw.inputs(draw.key(53), config, jnp.asarray([1, 4, 2], jnp.int32),
+                        jnp.asarray([0, 3, 1], jnp.int32)))
+    return functools.partial(fused_verify, config=config), args
+
+
+def prefill_step(draw, config=KdaConfig(heads=2, tokens=4)):
+    """prefill of `config` (backend= open) and its arguments: a new prompt of 70 tokens
+    (two chunks of 64) and a resumed piece of 33."""
+    B, P, H = 2, 70, config.heads
+    k = jax.random.split(draw.key(54), 4)
+    bf16 = lambda i, shape: jax.random.normal(k[i], (B, P) + shape).astype(jnp.bfloat16)
+    inputs = PrefillInputs(x=bf16(0, (3, H, 128)), f_a=bf16(1, (128,)), beta=bf16(2, (H,)),
+                           gate=bf16(3, (H, 128)), lengths=jnp.asarray([P, 33], jnp.int32),
+                           slots=jnp.asarray([1, 3], jnp.int32),
+                           record_rows=jnp.asarray([0, 2], jnp.int32),
+                           resume=jnp.asarray([False, True]))
+    args = (draw.params(draw.key(55), config),
+            draw.cache(draw.key(56), config, NUM_SLOTS, NUM_RECORDS), inputs)
+    return functools.partial(prefill, config=config), args
+
+
+STEPS = {"verify": verify_step, "prefill": prefill_step}
+
+
+def exported(step, platforms, args):
+    return export.export(jax.jit(step), platforms=platforms, disabled_checks=[
+        export.DisabledSafetyCheck.custom_call(TARGET)])(
+            *jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), args))
+
+
+def kernel_calls(artifact) -> int:
+    return artifact.mlir_module().count(f"stablehlo.custom_call @{TARGET}")
+
+
+def assert_same_results(actual, expected):
+    assert jax.tree.structure(actual) == jax.tree.structure(expected)
+    for (path, e), a in zip(jax.tree_util.tree_flatten_with_path(expected)[0],
+                            jax.tree.leaves(actual)):
+        assert_same_bits(a, e, jax.tree_util.keystr(path))
+
+
+def refuse_kernels(monkeypatch):
+    """From here on every kernel's lowering, and so its compile, fails the test."""
+    def refuse(*args, **kwargs):
+        raise AssertionError("a kernel was lowered")
+
+    for module in (call, chunks):
+        monkeypatch.setattr(module, "launch_compiled", refuse)
+
+
+@pytest.mark.parametrize("name", list(STEPS))
+def test_auto_lowers_the_kernels_for_cuda_only(name, draw, monkeypatch):
+    """Exported for CUDA from this CPU host, backend="auto" carries the kernels' custom
+    calls, as many as backend="cutedsl"; exported or jitted for the CPU, none is lowered
+    (nor compiled), and the CPU's results are backend="jax"'s, bitwise."""
+    step, args = STEPS[name](draw)
+    cuda = kernel_calls(exported(functools.partial(step, backend="auto"), ["cuda"], args))
+    assert cuda == KERNELS[name]
+    assert kernel_calls(exported(functools.partial(step, backend="cutedsl"), ["cuda"],
+                                 args)) == cuda
+    refuse_kernels(monkeypatch)
+    assert kernel_calls(exported(functools.partial(step, backend="auto"), ["cpu"], args)) == 0
+    auto = jax.jit(functools.partial(step, backend="auto"))(*args)
+    assert_same_results(auto, jax.jit(functools.partial(step, backend="jax"))(*args))
+
+
+@pytest.mark.parametrize("name", list(STEPS))
+def test_one_artifact_for_cuda_and_cpu(name, draw):
+    """Exported for ["cuda", "cpu"], serialized and deserialized, one artifact carries the
+    kernels for CUDA and, called on the CPU, gives backend="jax"'s results, bitwise."""
+    step, args = STEPS[name](draw)
+    artifact = export.deserialize(
+        exported(functools.partial(step, backend="auto"), ["cuda", "cpu"], args).serialize())
+    assert artifact.platforms == ("cuda", "cpu")
+    assert kernel_calls(artifact) == KERNELS[name]
+    assert_same_results(artifact.call(*args),
+                        jax.jit(functools.partial(step, backend="jax"))(*args))
+
+
+@pytest.mark.parametrize("name,config", [
+    ("verify", KdaConfig(heads=2, tokens=2, record_tokens=96, split=1)),
+    ("prefill", KdaConfig(heads=2, tokens=4, lower_bound=-50.0))],
+    ids=["verify-records-past-shared-memory", "prefill-chunks-of-8"])
+def test_auto_is_xla_where_the_kernel_does_not_fit(name, config, draw, monkeypatch):
+    """A configuration the kernel cannot take (the verify's CTA past the shared memory,
+    the prefill's chunks not a multiple of 16): "auto" exports the XLA path for CUDA."""
+    step, args = STEPS[name](draw, config)
+    refuse_kernels(monkeypatch)
+    assert kernel_calls(exported(functools.partial(step, backend="auto"), ["cuda"], args)) == 0
+
+
+@pytest.mark.parametrize("device,available,supported", [
+    (SimpleNamespace(platform="cpu"), True, False),
+    (SimpleNamespace(platform="tpu"), True, False),
+    (SimpleNamespace(platform="gpu", compute_capability="8.6"), False, False),
+    (SimpleNamespace(platform="gpu", compute_capability="9.0"), True, True)],
+    ids=["cpu", "tpu", "ampere", "hopper"])
+def test_kernel_available_on_every_host_but_an_older_gpu(device, available, supported):
+    """With nvidia-cutlass-dsl installed, "auto" may carry the kernels for CUDA from any
+    host but one whose default device is a CUDA GPU older than Hopper; they run only on
+    a Hopper GPU."""
+    assert kernel_available(device) == available
+    assert cutedsl_supported(device) == supported
+
+
+def test_export_needs_the_custom_call_check_disabled(draw):
+    """Without DisabledSafetyCheck.custom_call(TARGET), jax.export refuses the kernel's
+    call by its target's name (README, "Exporting a step")."""
+    step, args = verify_step(draw)
+    shapes = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), args)
+    with pytest.raises(ValueError, match=f"(?s)^Cannot serialize code with custom calls "
+                                         f".*custom_call @{TARGET}"):
+        export.export(jax.jit(functools.partial(step, backend="auto")), platforms=["cuda"])(
+            *shapes)

@@ -80,7 +80,7 @@ import report
 from jax_kda import KdaConfig, accept, flush, fused_verify
 from jax_kda.ref import stock_verify
 from jax_kda.testing import random_cache, random_inputs, random_params
-from jax_kda.verify import cutedsl_supported
+from jax_kda import cutedsl_supported
 
 stock_jit = jax.jit(stock_verify, static_argnames="config")
 xla_verify = functools.partial(fused_verify, backend="jax")

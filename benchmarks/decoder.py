@@ -75,7 +75,7 @@ import peers
 from jax_kda import KdaConfig, accept, fused_verify, head_specs, local_config
 from jax_kda.profiling import traced_steps
 from jax_kda.testing import random_accepted, random_cache, random_inputs, random_params
-from jax_kda.verify import cutedsl_supported
+from jax_kda import cutedsl_supported
 
 SPARE = 16  # slots and record rows past the batch's (B = 1 runs on S = 17)
 SLOTS_CHECK = 1025

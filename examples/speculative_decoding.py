@@ -71,11 +71,9 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 import jax_kda
 from jax_kda import K, KdaCache, KdaConfig, KdaParams, PrefillInputs, VerifyInputs
-from jax_kda.layer import HIGHEST
 from jax_kda.profiling import traced_steps
 from jax_kda.ref import stock_prefill
 from jax_kda.testing import random_params
-from jax_kda.verify import BACKENDS, cutedsl_supported
 
 PROGRESS_SECONDS = 5.0  # a progress line at most this often
 # Stock logits this close are a tie: the recurrences may order FP32 sums differently
@@ -219,7 +217,7 @@ def rms_norm(h, weight):
 
 
 def matmul(a, w):
-    return jnp.matmul(a, w, precision=HIGHEST)
+    return jnp.matmul(a, w, precision=jax.lax.Precision.HIGHEST)
 
 
 def block_forward(block: Block, config: ModelConfig, h, kda_layer):
@@ -576,7 +574,7 @@ def parse_args(argv=None):
     parser.add_argument("--new-tokens", type=int, default=32, help="tokens per request")
     parser.add_argument("--max-prompt", type=int, default=40,
                         help="prompt lengths are random in 1..max-prompt")
-    parser.add_argument("--backend", choices=BACKENDS, default="auto",
+    parser.add_argument("--backend", choices=jax_kda.BACKENDS, default="auto",
                         help="fused_verify's backend: auto = the CuTe DSL kernel on "
                              "H100/H200, else pure JAX")
     parser.add_argument("--layer-list", action="store_true",
@@ -620,7 +618,7 @@ def main(argv=None) -> int:
                          heads=args.heads, tokens=args.tokens)
     resolved = args.backend
     if resolved == "auto":
-        resolved = "cutedsl" if cutedsl_supported() else "jax"
+        resolved = "cutedsl" if jax_kda.cutedsl_supported() else "jax"
     form = ("a list of per-layer weights and caches" if args.layer_list else
             "stacked, under lax.scan over layers")
     print(f"target: {config.layers} KDA layers of {config.heads} heads x {K}, dim "

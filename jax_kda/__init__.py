@@ -1,5 +1,6 @@
 """jax-kda: the speculative-decoding verify of Kimi Delta Attention with a deferred
 replay commit, for JAX; a fused CuTe DSL kernel on Hopper, XLA elsewhere."""
+from jax_kda.backends import BACKENDS, cutedsl_supported
 from jax_kda.commit import accept, flush
 from jax_kda.config import K, KdaConfig
 from jax_kda.prefill import prefill
@@ -11,7 +12,7 @@ from jax_kda.verify import fused_verify
 from jax_kda import ref  # the references, reachable as jax_kda.ref after `import jax_kda`
 
 __all__ = [
-    "AWAITING", "K", "KdaCache", "KdaConfig", "KdaParams", "PrefillInputs", "VerifyInputs",
-    "accept", "check_inputs", "flush", "fused_verify", "head_specs", "init_cache",
-    "local_config", "output_spec", "prefill", "ref",
+    "AWAITING", "BACKENDS", "K", "KdaCache", "KdaConfig", "KdaParams", "PrefillInputs",
+    "VerifyInputs", "accept", "check_inputs", "cutedsl_supported", "flush", "fused_verify",
+    "head_specs", "init_cache", "local_config", "output_spec", "prefill", "ref",
 ]

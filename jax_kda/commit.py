@@ -15,14 +15,14 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from jax_kda import chunked
+from jax_kda import wy
+from jax_kda.cache_rows import (locate, read_history, read_replay, read_state, two_rows,
+                                write, write_pending, write_state)
 from jax_kda.config import CONV_TAPS, KdaConfig
 from jax_kda.partitioning import per_head
 from jax_kda.pytrees import KdaCache, KdaParams, kept
-from jax_kda.rows import (locate, read_history, read_replay, read_state, two_rows, write,
-                          write_pending, write_state)
 from jax_kda.transforms import request_batched
-from jax_kda.validate import check_cache, check_params, check_rows, typed
+from jax_kda.validate import check_accept, check_flush
 
 
 def accept(cache: KdaCache, record_rows, accepted, config: KdaConfig) -> KdaCache:
@@ -35,10 +35,7 @@ def accept(cache: KdaCache, record_rows, accepted, config: KdaConfig) -> KdaCach
     no accept (accepted already, flushed, prefilled) is left as it is, so a repeated
     accept changes nothing. Only `pending` is read and written.
     """
-    typed("config", config, KdaConfig)
-    _, R, _ = check_cache(cache, config)
-    B = check_rows("record_rows", record_rows)
-    check_rows("accepted", accepted, B)
+    check_accept(cache, record_rows, accepted, config)
     _, pending = _accept_entry(config.tokens, config.rq)(
         dict(cache=cache.pending), dict(record_rows=record_rows, accepted=accepted))
     return dataclasses.replace(cache, pending=pending)
@@ -81,10 +78,7 @@ def flush(params: KdaParams, cache: KdaCache, slots, record_rows,
     `jax.jit(flush, static_argnames="config", donate_argnums=1)`) to update the rows in
     place. Head-sharded arrays: as `fused_verify`.
     """
-    _, _, L = check_cache(cache, config)
-    check_params(params, config, False if L is None else L)
-    B = check_rows("slots", slots)
-    check_rows("record_rows", record_rows, B)
+    check_flush(params, cache, slots, record_rows, config)
     _, cache = _flush_entry(config)(dict(params=params, cache=cache),
                                     dict(slots=slots, record_rows=record_rows))
     return cache
@@ -114,7 +108,7 @@ def _flush_layers(params, cache, slots, record_rows, *, config):
 def _flush(params, cache, slots, record_rows, config):
     rows = locate(cache, *two_rows((slots, record_rows)), config)
     state_0 = read_state(cache, rows)
-    state_n = chunked.replay(state_0, *read_replay(params, cache, rows, config))
+    state_n = wy.replay(state_0, *read_replay(params, cache, rows, config))
     history = jnp.moveaxis(read_history(cache, rows), 2, -1)
     conv = write(cache.conv, None, (rows.slot, ..., slice(0, CONV_TAPS - 1)), history)
     return dataclasses.replace(cache, state=write_state(cache, rows, state_0, state_n,

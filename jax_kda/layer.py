@@ -1,15 +1,20 @@
 """The pointwise pieces of a KDA layer at the stock rounding points (docs/spec.md, steps
-2-6), shared by every JAX path: the stock reference, the XLA backend, flush and prefill.
+2-6), and the token preparation built of them (a step's or a prompt's tokens convolved,
+projected, normalized), shared by every JAX path: the stock reference, the XLA backend,
+flush and prefill.
 
 Arrays are FP32 unless named otherwise; "bf16 values" means FP32 arrays holding values
 that were rounded to bf16 where the stock layer rounds.
 """
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import jax
 import jax.numpy as jnp
 
-from jax_kda.config import CONV_TAPS, K, NORM_EPS
+from jax_kda.config import CONV_TAPS, K, NORM_EPS, KdaConfig
+from jax_kda.pytrees import KdaParams
 
 HIGHEST = jax.lax.Precision.HIGHEST
 
@@ -88,3 +93,68 @@ def gated_rmsnorm(o, gate, norm_weight, eps):
     rstd = jax.lax.rsqrt(jnp.mean(o * o, axis=-1, keepdims=True) + eps)
     gated = jax.nn.sigmoid(gate.astype(jnp.float32))
     return (o * rstd * norm_weight.astype(jnp.float32) * gated).astype(jnp.bfloat16)
+
+
+class Tokens(NamedTuple):
+    """A step's per-token operands. q, k: [B, H, T, K] normalized (q scaled); v:
+    [B, H, T, K]; d: [B, H, T, K] decays; beta: [B, H, T]; key, raw_g: [B, T, H, K]
+    bf16 values recorded for the next replay."""
+
+    q: jax.Array
+    k: jax.Array
+    v: jax.Array
+    d: jax.Array
+    beta: jax.Array
+    key: jax.Array
+    raw_g: jax.Array
+
+
+def convolved(params: KdaParams, x, f_a, history, config: KdaConfig):
+    """The convolution and SiLU of q, k and v, and the gate projection: (y [B, T, 3, H, K],
+    raw_g [B, T, H, K]), bf16 values, token-major. x: [B, T, 3, H, K] bf16; f_a:
+    [B, T, K]; history as `cache_rows.read_history` returns it."""
+    return (convolve(history, x, params.conv_weight, params.conv_bias),
+            gate_projection(f_a, params.f_b, config.gate_mode))
+
+
+def normalized(params: KdaParams, y, raw_g, beta, config: KdaConfig) -> Tokens:
+    """The norms, decays and betas of `convolved`'s tokens (beta: [B, T, H] logits)."""
+    q, key, v = (jnp.swapaxes(y[:, :, i], 1, 2) for i in range(3))  # [B, H, T, K]
+    d = decay(raw_g, params.a_log, params.dt_bias, config.lower_bound)
+    return Tokens(
+        q=l2_normalize(q, config.query_scale),
+        k=l2_normalize(key),
+        v=v,
+        d=jnp.swapaxes(d, 1, 2),
+        beta=jax.nn.sigmoid(jnp.swapaxes(beta.astype(jnp.float32), 1, 2)),
+        key=jnp.swapaxes(key, 1, 2),
+        raw_g=raw_g,
+    )
+
+
+def prepare_tokens(params: KdaParams, x, f_a, beta, history, config: KdaConfig) -> Tokens:
+    """Convolution, SiLU, norms, gate projection, decays and betas of the tokens
+    (`convolved`, then `normalized`)."""
+    return normalized(params, *convolved(params, x, f_a, history, config), beta, config)
+
+
+class Prompt(NamedTuple):
+    """A piece's tokens as the layer's pointwise part leaves them, token-major: y
+    [B, P, 3, H, K] and raw_g [B, P, H, K] (`convolved`: bf16 values), beta
+    [B, P, H] (the logits as given), lengths [B] (clamped to [0, P])."""
+
+    y: jax.Array
+    raw_g: jax.Array
+    beta: jax.Array
+    lengths: jax.Array
+
+
+def token_vectors(params: KdaParams, prompt: Prompt, config: KdaConfig):
+    """(q, k, v, beta, d) of the prompt, [B, H, P, ...] (`normalized`): identity
+    tokens past each length, zeroed too so that any padding (even NaN) is inert."""
+    tokens = normalized(params, prompt.y, prompt.raw_g, prompt.beta, config)
+    B, P = prompt.beta.shape[:2]
+    valid = jnp.arange(P)[None, :] < prompt.lengths[:, None]  # [B, P]
+    mask = lambda a, fill: jnp.where(valid.reshape(B, 1, P, *(1,) * (a.ndim - 3)), a, fill)
+    return (mask(tokens.q, 0.0), mask(tokens.k, 0.0), mask(tokens.v, 0.0),
+            mask(tokens.beta, 0.0), mask(tokens.d, 1.0))

@@ -3,7 +3,7 @@ products: what `jax_kda.prefill` runs.
 
 With P(s, t) = prod_{s<r<=t} d_r, Gamma_t = P(-1, t) and Gamma_C the whole chunk's
 decays, the stock recurrence over a chunk from its starting state S is
-(`jax_kda.chunked`):
+(`jax_kda.wy`):
 
     A_ts = sum_c k_s,c k_t,c P(s, t)_c  (s < t),  Bm_ts = the same with q_t (s <= t)
     (I + diag(beta) A) u = diag(beta) (v - (Gamma * k) S^T)
@@ -25,7 +25,7 @@ difference of cumulative log decays would lose their low bits), and reads only d
 up to its later token: a non-finite value in token j reaches no pair, solve row or
 output of a token before j (`jax_kda.triangular`). Shapes: per-token vectors
 [B, H, P, K], beta [B, H, P], S [B, H, K, K] (value row, key column), as in
-`jax_kda.chunked`.
+`jax_kda.wy`.
 """
 from __future__ import annotations
 
@@ -66,14 +66,14 @@ def suffix_products(d):
 
 
 def pair_block(lower_bound: float) -> int:
-    """Tokens per block of `pair_products` (a power of two <= SUBCHUNK / 2): the decays of
+    """Tokens per block of `block_pair_products` (a power of two <= SUBCHUNK / 2): the decays of
     a block at the bound multiply to at least 2^-60, so a pair's factors, measured from
     the token before its block, stay within 2^+-60. One token where a single decay may
     fall below that: its only pair inside the block is itself."""
     return max(1, subchunk(lower_bound) // 2)
 
 
-def pair_products(q, k, d, block):
+def block_pair_products(q, k, d, block):
     """A [.., C, C] (A[t, s], s < t) and Bm [.., C, C] (Bm[t, s], s <= t) of each chunk.
 
     q, k, d: [.., C, K]. A pair's factor prod_{s<r<=t} d_r is split around the token m
@@ -105,7 +105,7 @@ def pair_products(q, k, d, block):
 def scan_chunks(state, u_v, w_k, gq, tail, decay, bm, *, unroll: int = 4):
     """The chunks in order from `state`, in XLA: (state after them [B, H, K, K],
     o [B, H, N, C, K] FP32) from u_v, w_k, gq, tail [B, H, N, C, K], decay [B, H, N, K]
-    and bm [B, H, N, C, C] (`recurrence`; the CuTe DSL kernel
+    and bm [B, H, N, C, C] (`through_chunks`; the CuTe DSL kernel
     `jax_kda.ffi.cutedsl_chunk_states` is its twin). unroll: scan steps per loop trip (a
     GPU's while loop returns to the host every trip)."""
 
@@ -157,7 +157,7 @@ def chunk_operands(q, k, v, beta, d, *, lower_bound: float, chunk: int | None = 
         (B, H, N, chunk) + a.shape[3:])
     q, k, v, beta, d = (split(q, 0.0), split(k, 0.0), split(v, 0.0), split(beta, 0.0),
                         split(d, 1.0))
-    A, Bm = pair_products(q, k, d, pair_block(lower_bound))
+    A, Bm = block_pair_products(q, k, d, pair_block(lower_bound))
     gamma = jax.lax.cumprod(d, axis=3)  # prod_{r<=t} d_r
     # u = u_v - w_k S^T, both solved for every chunk at once
     rhs = beta[..., None] * jnp.concatenate([v, gamma * k], axis=-1)
@@ -166,7 +166,7 @@ def chunk_operands(q, k, v, beta, d, *, lower_bound: float, chunk: int | None = 
     return Operands(solved[..., :K], solved[..., K:], gamma * q, tail, gamma[..., -1, :], Bm)
 
 
-def recurrence(state, operands: Operands, length: int, *, scan=scan_chunks):
+def through_chunks(state, operands: Operands, length: int, *, scan=scan_chunks):
     """The prompt from `state` through its chunk operands: (state after it [B, H, K, K],
     o [B, H, length, K] bf16 values). scan: `scan_chunks` or its kernel."""
     state, o = scan(state, *operands)

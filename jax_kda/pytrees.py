@@ -153,11 +153,11 @@ def init_cache(config: KdaConfig, num_slots: int, num_records: int, *,
 class PrefillInputs:
     """A batch of prompts, or pieces of prompts, for `prefill`.
 
-    x: [B, L, 3, H, K] bf16, q, k, v projections before the short convolution.
-    f_a: [B, L, K] bf16, the gate's low-rank activations.
-    beta: [B, L, H] bf16, beta logits (sigmoid inside).
-    gate: [B, L, H, K] bf16, output-gate logits (sigmoid inside the norm).
-    lengths: [B] int32, tokens of each prompt (clamped to [0, L]); the rest is padding.
+    x: [B, P, 3, H, K] bf16, q, k, v projections before the short convolution.
+    f_a: [B, P, K] bf16, the gate's low-rank activations.
+    beta: [B, P, H] bf16, beta logits (sigmoid inside).
+    gate: [B, P, H, K] bf16, output-gate logits (sigmoid inside the norm).
+    lengths: [B] int32, tokens of each prompt (clamped to [0, P]); the rest is padding.
     slots: [B] int32, state slot per request; <= 0 (or >= S) is a padding row.
     record_rows: [B] int32, the request's record row (its kept records are folded in
       where it resumes, and its pending count is reset); < 0 (or >= R): none.

@@ -1,12 +1,13 @@
-"""Argument checks: shapes, dtypes and config at trace time, once at each public entry;
-index and pending values on the host (`check_inputs`)."""
+"""Every argument check: shapes, dtypes and config at trace time, once at each public
+entry (`check_verify`, `check_prefill`, `check_accept`, `check_flush`); index and
+pending values on the host (`check_inputs`)."""
 from __future__ import annotations
 
 import numpy as np
 import jax.numpy as jnp
 
 from jax_kda.config import CONV_TAPS, K, KdaConfig
-from jax_kda.pytrees import KdaCache, KdaParams, VerifyInputs, awaiting
+from jax_kda.pytrees import KdaCache, KdaParams, PrefillInputs, VerifyInputs, awaiting
 
 BF16, F32, I32 = jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32), jnp.dtype(jnp.int32)
 BOOL = jnp.dtype(bool)
@@ -122,6 +123,47 @@ def check_verify(params: KdaParams, cache: KdaCache, inputs: VerifyInputs,
     check_rows("slots", inputs.slots, B)
     check_rows("record_rows", inputs.record_rows, B)
     return B, (check_layer(layer, L) if stacked else None)
+
+
+def check_prefill(params: KdaParams, cache: KdaCache, inputs: PrefillInputs,
+                  config: KdaConfig, layer=None):
+    """Trace-time check of every argument of a prefill; returns the int32 layer of a
+    stacked call (None otherwise)."""
+    stacked = layer is not None
+    _, _, L = check_cache(cache, config, stacked)
+    check_params(params, config, L if stacked else False)
+    typed("inputs", inputs, PrefillInputs)
+    H = config.heads
+    sizes = expect("x", inputs.x, [("B", None), ("P", None), (None, 3), ("H", H), (None, K)],
+                   (BF16,))
+    B, P = sizes["B"], sizes["P"]
+    expect("f_a", inputs.f_a, [("B", B), ("P", P), (None, K)], (BF16,))
+    expect("beta", inputs.beta, [("B", B), ("P", P), ("H", H)], (BF16,))
+    expect("gate", inputs.gate, [("B", B), ("P", P), ("H", H), (None, K)], (BF16,))
+    for name in ("lengths", "slots", "record_rows"):
+        check_rows(name, getattr(inputs, name), B)
+    if inputs.resume is not None:
+        expect("resume", inputs.resume, [("B", B)], (BOOL,))
+    return check_layer(layer, L) if stacked else None
+
+
+
+def check_accept(cache: KdaCache, record_rows, accepted, config: KdaConfig) -> None:
+    """Trace-time check of an accept's arguments (the cache stacked or not)."""
+    typed("config", config, KdaConfig)
+    check_cache(cache, config)
+    B = check_rows("record_rows", record_rows)
+    check_rows("accepted", accepted, B)
+
+
+def check_flush(params: KdaParams, cache: KdaCache, slots, record_rows,
+                config: KdaConfig) -> None:
+    """Trace-time check of a flush's arguments (params and cache stacked alike, or
+    not)."""
+    _, _, L = check_cache(cache, config)
+    check_params(params, config, False if L is None else L)
+    B = check_rows("slots", slots)
+    check_rows("record_rows", record_rows, B)
 
 
 def check_inputs(cache: KdaCache, slots, record_rows, config: KdaConfig, *,

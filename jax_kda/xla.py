@@ -1,21 +1,25 @@
-"""The XLA backend of `fused_verify` ("jax"): the chunked (WY) verify and the closed-form
-replay (`jax_kda.chunked`) on the batch's rows of the cache, jitted, for any device."""
+"""The XLA backend (`backend="jax"`): the recurrences in WY form that the step drivers
+(`jax_kda.steps`) run on any device: the verify's closed-form replay and chunked verify
+(`jax_kda.wy`), and the prompt's chunks (`jax_kda.prompt_chunks`), whose two stages the
+prefill's kernels can take over (`jax_kda.backends`)."""
 from __future__ import annotations
 
 import functools
 
 import jax
 
-from jax_kda import chunked
+from jax_kda import prompt_chunks, wy
+from jax_kda.cache_rows import Replay
 from jax_kda.config import KdaConfig
+from jax_kda.layer import Prompt, token_vectors
 from jax_kda.pytrees import KdaCache, KdaParams, VerifyInputs
-from jax_kda.rows import verify_rows
+from jax_kda.steps import verify_step
 
 
-def chunked_recurrence(state, replay, tokens):
+def verify_recurrence(state, replay: Replay, tokens):
     """Closed-form replay, then the chunked verify from S_n: (S_n, u, o)."""
-    state_n = chunked.replay(state, *replay)
-    u, o = chunked.verify(state_n, tokens.q, tokens.k, tokens.v, tokens.beta, tokens.d)
+    state_n = wy.replay(state, *replay)
+    u, o = wy.verify(state_n, tokens.q, tokens.k, tokens.v, tokens.beta, tokens.d)
     return state_n, u, o
 
 
@@ -24,4 +28,21 @@ def xla_verify(params: KdaParams, cache: KdaCache, inputs: VerifyInputs, layer=N
                config: KdaConfig):
     """`fused_verify`'s "jax" backend on checked arguments: (out [B, T, H, K] bf16,
     cache). layer: the int32 layer of stacked params and cache, or None."""
-    return verify_rows(params, cache, inputs, config, layer, chunked_recurrence)
+    return verify_step(params, cache, inputs, config, layer, verify_recurrence)
+
+
+def chunk_operands(params: KdaParams, prompt: Prompt, config: KdaConfig):
+    """The prompt's chunk operands in XLA (`prompt_chunks.chunk_operands`)."""
+    return prompt_chunks.chunk_operands(*token_vectors(params, prompt, config),
+                                        lower_bound=config.lower_bound)
+
+
+def prompt_recurrence(state, replay: Replay, params: KdaParams, prompt: Prompt,
+                      config: KdaConfig, *, operands=chunk_operands,
+                      scan=prompt_chunks.scan_chunks):
+    """The kept records folded in closed form, then the prompt in chunks of dense
+    products: (state after it, o [B, H, P, K] bf16 values). operands(params, prompt,
+    config) and scan: the two stages, XLA's or their kernels'."""
+    state = wy.replay(state, replay.u, replay.kn, replay.d)
+    P = prompt.beta.shape[1]
+    return prompt_chunks.through_chunks(state, operands(params, prompt, config), P, scan=scan)

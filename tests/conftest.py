@@ -5,10 +5,10 @@ many small ops compiles on its own, which dominates the suite's time on a 2-core
 drawn from "rbg" keys (`DRAW.key`): XLA:CPU compiles a threefry draw of a cache in
 ~14 s, an RngBitGenerator one in ~1 s.
 
-The implementations share the pointwise code and the cache's row handling
-(jax_kda.rows, jax_kda.layer) and differ in the recurrence only, so a comparison of
-one with the other proves little: every parity test holds each of them against the
-independent float64 model of tests/numpy_model.py."""
+The implementations share the step driver, the pointwise code and the cache's row
+handling (jax_kda.steps, jax_kda.layer, jax_kda.cache_rows) and differ in the recurrence
+only, so a comparison of one with the other proves little: every parity test holds each
+of them against the independent float64 model of tests/numpy_model.py."""
 import functools
 from types import SimpleNamespace
 

@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 
 from jax_kda import KdaConfig, PrefillInputs, accept, flush, fused_verify, init_cache, prefill
-from jax_kda import rows as cache_rows
+from jax_kda import cache_rows
 from hlo import aliased, whole_copies
 from timing import Repeated, growth, yardstick_program
 
@@ -99,7 +99,7 @@ ON_CPU = jax.default_backend() == "cpu"
 # xfail: when a change of the library or of XLA removes one, the test says so). On
 # other backends none of them is expected.
 #
-# jax_kda.rows.write scatters into the bf16 window (and key_gates) as it is; XLA:CPU
+# jax_kda.cache_rows.write scatters into the bf16 window (and key_gates) as it is; XLA:CPU
 # converts the whole buffer to f32, scatters, and converts it back (doing it on the
 # uint16 bits instead still materializes two bitcast-converts of the whole buffer, and
 # a bf16 dynamic-update-slice is upcast as well). O(S) per step; the timing checks
@@ -167,7 +167,7 @@ WINDOW_READS = {"decode": True, "flush": True, "prefill": False}  # accept: no w
 def window_program(op, batch, layer):
     """The window's part of `op` on its own: the batch's rows of a donated window read
     (decode and flush read the history) and written back, with the helpers the verify,
-    flush and prefill use (jax_kda.rows), for as many rows as they update (they pad one
+    flush and prefill use (jax_kda.cache_rows), for as many rows as they update (they pad one
     request to two) and in as many layers (flush: every layer, vmapped as flush does).
     On XLA:CPU it is O(S) (BF16_UPCAST)."""
     slots = jnp.asarray([3, 7][:batch] if batch > 1 else [3, 0], jnp.int32)

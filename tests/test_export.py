@@ -18,7 +18,7 @@ from jax import export  # noqa: E402
 from compare import assert_same_bits  # noqa: E402
 from jax_kda import KdaConfig, PrefillInputs, fused_verify, prefill  # noqa: E402
 from jax_kda.ffi import call, chunks  # noqa: E402
-from jax_kda.verify import cutedsl_supported, kernel_available  # noqa: E402
+from jax_kda.backends import cutedsl_supported, kernel_available  # noqa: E402
 
 pytestmark = pytest.mark.kernels
 

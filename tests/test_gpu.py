@@ -24,7 +24,7 @@ from jax_kda.ffi import cutedsl_chunk_states
 from jax_kda.prompt_chunks import scan_chunks
 from jax_kda.ref import stock_verify
 from jax_kda.testing import random_cache, random_inputs, random_params
-from jax_kda.verify import cutedsl_supported
+from jax_kda import cutedsl_supported
 from poison import poison
 
 pytestmark = [
@@ -565,7 +565,7 @@ def test_chunk_operands_kernel_matches_xla():
     amplifies the roundings by its condition), none NaN; Bm exactly 0 above the
     diagonal."""
     from jax_kda.ffi import cutedsl_chunk_operands
-    from jax_kda.prefill import Prompt, token_vectors
+    from jax_kda.layer import Prompt, token_vectors
     from jax_kda.prompt_chunks import chunk_operands
 
     rng = np.random.default_rng(7)

@@ -14,7 +14,7 @@ import numpy_model
 from compare import assert_out_close, assert_same_bits, assert_scaled_close
 from jax_kda import KdaConfig, PrefillInputs, flush, prefill
 from jax_kda.ref import stock_prefill
-from jax_kda.verify import cutedsl_supported
+from jax_kda import cutedsl_supported
 from poison import poison
 
 # Units of compare.py. OUT: a few bf16 ulps of a row's scale (an o_t or SiLU rounding

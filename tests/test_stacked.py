@@ -17,7 +17,7 @@ from compare import (assert_out_close, assert_same_bits, assert_same_cache,
                      assert_scaled_close, assert_ulps_close)
 from jax_kda import AWAITING, KdaConfig, PrefillInputs, accept, flush, fused_verify, prefill
 from jax_kda import init_cache
-from jax_kda import rows as cache_rows
+from jax_kda import cache_rows
 from poison import poison
 from timing import Repeated, growth, yardstick_program
 

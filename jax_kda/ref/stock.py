@@ -1,17 +1,17 @@
 """The stock per-token recurrence, replay and verify each a `jax.lax.scan` over tokens:
-nothing clever, the ground truth every fast path is held against. Same signatures as
-`fused_verify` and `jax_kda.prefill`."""
+nothing clever, the ground truth every fast path is held against, run by the same step
+drivers as the XLA backend (`jax_kda.steps`). Same signatures as `fused_verify` and
+`jax_kda.prefill`."""
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
 
 from jax_kda.config import KdaConfig
-from jax_kda.layer import HIGHEST, round_bf16
-from jax_kda.prefill import check_prefill, run_prefill, token_vectors
+from jax_kda.layer import HIGHEST, round_bf16, token_vectors
 from jax_kda.pytrees import KdaCache, KdaParams, PrefillInputs, VerifyInputs
-from jax_kda.rows import verify_rows
-from jax_kda.validate import check_verify
+from jax_kda.steps import prompt_step, verify_step
+from jax_kda.validate import check_prefill, check_verify
 
 
 def stock_step(S, token):
@@ -54,7 +54,7 @@ def stock_verify(params: KdaParams, cache: KdaCache, inputs: VerifyInputs,
     truth. Returns (out [B, T, H, K] bf16, cache). Not jitted; wrap it in `jax.jit`
     with `static_argnames="config"` to run it fast."""
     _, layer = check_verify(params, cache, inputs, config, layer)
-    return verify_rows(params, cache, inputs, config, layer, stock_recurrence)
+    return verify_step(params, cache, inputs, config, layer, stock_recurrence)
 
 
 def stock_prefill_recurrence(state, replay, params, prompt, config):
@@ -70,4 +70,4 @@ def stock_prefill(params: KdaParams, cache: KdaCache, inputs: PrefillInputs,
     """`jax_kda.prefill` with the stock per-token recurrence: the ground truth.
     Returns (out [B, P, H, K] bf16, cache). Not jitted, like `stock_verify`."""
     layer = check_prefill(params, cache, inputs, config, layer)
-    return run_prefill(params, cache, inputs, config, layer, stock_prefill_recurrence)
+    return prompt_step(params, cache, inputs, config, layer, stock_prefill_recurrence)

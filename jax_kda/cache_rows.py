@@ -1,6 +1,6 @@
-"""A batch's rows of the cache, for every JAX path: reading its operands (docs/spec.md,
-steps 0-4) and writing its results back (steps 6-9), in one layer of a stacked cache or
-in a cache of one layer.
+"""A batch's rows of the cache, for every JAX path (docs/spec.md, steps 0-2 and 7-9):
+where each request lives, reading its checkpoint, records and history, and writing its
+results back, in one layer of a stacked cache or in a cache of one layer.
 
 Only the batch's rows are gathered and scattered (O(B) work, none in S, R or L).
 Out-of-range indices never touch memory: a slot outside [1, S) (or a layer outside
@@ -9,14 +9,13 @@ clamped and masked, writes go to an index past the buffer and are dropped.
 """
 from __future__ import annotations
 
-import dataclasses
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 
 from jax_kda.config import CONV_TAPS, KdaConfig
-from jax_kda.layer import convolve, decay, gate_projection, gated_rmsnorm, l2_normalize
+from jax_kda.layer import Tokens, decay, l2_normalize
 from jax_kda.pytrees import KdaCache, KdaParams, awaiting, kept
 
 
@@ -40,20 +39,6 @@ class Replay(NamedTuple):
     u: jax.Array
     kn: jax.Array
     d: jax.Array
-
-
-class Tokens(NamedTuple):
-    """A step's per-token operands. q, k: [B, H, T, K] normalized (q scaled); v:
-    [B, H, T, K]; d: [B, H, T, K] decays; beta: [B, H, T]; key, raw_g: [B, T, H, K]
-    bf16 values recorded for the next replay."""
-
-    q: jax.Array
-    k: jax.Array
-    v: jax.Array
-    d: jax.Array
-    beta: jax.Array
-    key: jax.Array
-    raw_g: jax.Array
 
 
 def layer_of(tree, layer):
@@ -150,35 +135,6 @@ def read_history(cache: KdaCache, rows: Rows):
     return jnp.moveaxis(history, -1, 2)
 
 
-def convolved(params: KdaParams, x, f_a, history, config: KdaConfig):
-    """The convolution and SiLU of q, k and v, and the gate projection: (y [B, T, 3, H, K],
-    raw_g [B, T, H, K]), bf16 values, token-major. x: [B, T, 3, H, K] bf16; f_a:
-    [B, T, K]; history as `read_history` returns it."""
-    return (convolve(history, x, params.conv_weight, params.conv_bias),
-            gate_projection(f_a, params.f_b, config.gate_mode))
-
-
-def normalized(params: KdaParams, y, raw_g, beta, config: KdaConfig) -> Tokens:
-    """The norms, decays and betas of `convolved`'s tokens (beta: [B, T, H] logits)."""
-    q, key, v = (jnp.swapaxes(y[:, :, i], 1, 2) for i in range(3))  # [B, H, T, K]
-    d = decay(raw_g, params.a_log, params.dt_bias, config.lower_bound)
-    return Tokens(
-        q=l2_normalize(q, config.query_scale),
-        k=l2_normalize(key),
-        v=v,
-        d=jnp.swapaxes(d, 1, 2),
-        beta=jax.nn.sigmoid(jnp.swapaxes(beta.astype(jnp.float32), 1, 2)),
-        key=jnp.swapaxes(key, 1, 2),
-        raw_g=raw_g,
-    )
-
-
-def prepare_tokens(params: KdaParams, x, f_a, beta, history, config: KdaConfig) -> Tokens:
-    """Convolution, SiLU, norms, gate projection, decays and betas of the tokens
-    (`convolved`, then `normalized`)."""
-    return normalized(params, *convolved(params, x, f_a, history, config), beta, config)
-
-
 def write_state(cache: KdaCache, rows: Rows, state_0, state_n, folded):
     """cache.state with S_n written in the heads where `folded` ([B, H] bool), S_0 kept
     in a request's other heads; a request with none folded is not written."""
@@ -217,24 +173,3 @@ def write_step(cache: KdaCache, rows: Rows, x, history, tokens: Tokens, u, keep,
     conv = write(cache.conv, rows.layer, window_at, window)
     return KdaCache(cache.state, conv, corrections, key_gates,
                     write_pending(cache, rows, awaiting(base)))
-
-
-def verify_rows(params: KdaParams, cache: KdaCache, inputs, config: KdaConfig, layer,
-                recurrence):
-    """One verify (docs/spec.md, steps 0-9) around `recurrence(S_0, replay, tokens) ->
-    (S_n, u, o)`, o in bf16 values, each [B, H, ...]. Returns (out [B, T, H, K] bf16,
-    cache); the arguments are checked by the caller."""
-    B = inputs.slots.shape[0]
-    inputs = two_rows(inputs)
-    rows = locate(cache, inputs.slots, inputs.record_rows, config, layer)
-    params = layer_of(params, rows.layer)
-    history = read_history(cache, rows)
-    tokens = prepare_tokens(params, inputs.x, inputs.f_a, inputs.beta, history, config)
-    state_0 = read_state(cache, rows)
-    state_n, u, o = recurrence(state_0, read_replay(params, cache, rows, config), tokens)
-    out = gated_rmsnorm(jnp.swapaxes(o, 1, 2), inputs.gate, params.norm_weight, config.eps)
-    out = jnp.where(rows.live[:, None, None, None], out, jnp.zeros_like(out))
-    keep = keeps(rows, config)
-    cache = write_step(cache, rows, inputs.x, history, tokens, u, keep, config)
-    return out[:B], dataclasses.replace(
-        cache, state=write_state(cache, rows, state_0, state_n, (rows.n > 0) & ~keep))

@@ -30,6 +30,7 @@ from jax_kda.steps import prompt_step
 
 BACKENDS = ("auto", "jax", "cutedsl")
 KERNEL, XLA = "kernel", "xla"
+KERNEL_TOKENS = 8  # the verify kernel's largest T
 
 
 def _cuda_major(device) -> int | None:
@@ -96,14 +97,26 @@ class VerifyPlan:
     other: Launch | None
 
 
+def kernel_takes(config: KdaConfig) -> None:
+    """Raises ValueError, naming the need, where the verify kernel cannot run `config`
+    at all: it verifies chains of up to KERNEL_TOKENS tokens (trees and longer steps
+    run in XLA)."""
+    if config.trees or config.tokens > KERNEL_TOKENS:
+        raise ValueError(f"backend='cutedsl': the verify kernel takes chains of T <= "
+                         f"{KERNEL_TOKENS} tokens, got tokens={config.tokens}, "
+                         f"trees={config.trees}; use backend='auto' or backend='jax'")
+
+
 def verify_plan(config: KdaConfig, batch: int, backend: str) -> VerifyPlan:
     """The plan of a verify of `batch` requests: "cutedsl" raises (naming the need) where
-    no split of the kernel fits the shared memory; "auto" is XLA there."""
+    the kernel cannot run the config or no split of it fits the shared memory; "auto"
+    is XLA there."""
     if backend == "jax" or (backend == "auto" and not kernel_available()):
         return VerifyPlan(None, None)
     from jax_kda.ffi import kernel_split, solo_ctas  # the kernel's launch rules, lazily
 
     try:
+        kernel_takes(config)
         split = kernel_split(config, batch)
     except ValueError:
         if backend == "cutedsl":

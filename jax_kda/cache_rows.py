@@ -17,19 +17,23 @@ import jax.numpy as jnp
 from jax_kda.config import CONV_TAPS, KdaConfig
 from jax_kda.layer import Tokens, decay, l2_normalize
 from jax_kda.pytrees import KdaCache, KdaParams, awaiting, kept
+from jax_kda.tree import node_parents
 
 
 class Rows(NamedTuple):
     """Where a batch lives in the cache. live: [B] bool (a real request); slot, record:
     [B] int32, in range or past the buffer (writes there are dropped); n: [B, H] int32,
     the records kept per head (`pytrees.kept`; 0 for a request with no records); layer:
-    the int32 layer of a stacked cache (clamped into range), or None."""
+    the int32 layer of a stacked cache (clamped into range), or None; order: with trees,
+    [B, H, RQ] int32, the record positions of the kept tokens in replay order (clamped
+    into the row), None where record j is at position j."""
 
     live: jax.Array
     slot: jax.Array
     record: jax.Array
     n: jax.Array
     layer: jax.Array | None
+    order: jax.Array | None = None
 
 
 class Replay(NamedTuple):
@@ -77,7 +81,11 @@ def locate(cache: KdaCache, slots, record_rows, config: KdaConfig, layer=None) -
     record = jnp.where(has_records, record_rows, R)
     pending = read(cache.pending, layer, jnp.minimum(record, R - 1))  # [B, H]
     n = jnp.where(has_records[:, None], kept(pending, config.rq), 0)
-    return Rows(live, jnp.where(live, slots, S), record, n, layer)
+    order = None
+    if cache.nodes is not None:
+        order = jnp.clip(read(cache.nodes, layer, jnp.minimum(record, R - 1)), 0,
+                         config.rq - 1)
+    return Rows(live, jnp.where(live, slots, S), record, n, layer, order)
 
 
 def _where(layer, index):
@@ -118,19 +126,32 @@ def read_replay(params: KdaParams, cache: KdaCache, rows: Rows,
     R = cache.pending.shape[-2]
     record = jnp.minimum(rows.record, R - 1)
     keep = (jnp.arange(config.rq)[None, None, :] < rows.n[:, :, None])[..., None]
-    u = jnp.where(keep, read(cache.corrections, rows.layer, record), 0.0)
-    key_gates = read(cache.key_gates, rows.layer, record).astype(jnp.float32)
+    in_order = lambda a: a if rows.order is None else jnp.take_along_axis(
+        a, rows.order.reshape(rows.order.shape + (1,) * (a.ndim - 3)), axis=2)
+    u = jnp.where(keep, in_order(read(cache.corrections, rows.layer, record)), 0.0)
+    key_gates = in_order(read(cache.key_gates, rows.layer, record)).astype(jnp.float32)
     kn = jnp.where(keep, l2_normalize(key_gates[..., 0, :]), 0.0)
     d = decay(jnp.moveaxis(key_gates[..., 1, :], 1, 2), params.a_log, params.dt_bias,
               config.lower_bound)
     return Replay(u, kn, jnp.where(keep, jnp.moveaxis(d, 1, 2), 1.0))
 
 
+def history_positions(rows: Rows):
+    """[B, H, 3] int32: the window positions of the three conv inputs before this step,
+    those of the last three kept tokens: n .. n + 2, or with trees order[j] + 3 for
+    j = n - 3 .. n - 1 (j < 0: j + 3, the inputs before record 0)."""
+    j = rows.n[..., None] + jnp.arange(CONV_TAPS - 1) - (CONV_TAPS - 1)  # [B, H, 3]
+    if rows.order is None:
+        return j + CONV_TAPS - 1
+    kept = jnp.take_along_axis(rows.order, jnp.maximum(j, 0), axis=-1)
+    return jnp.where(j >= 0, kept, j) + CONV_TAPS - 1
+
+
 def read_history(cache: KdaCache, rows: Rows):
-    """The three conv inputs before this step: window[n .. n+2] per head. Returns
+    """The three conv inputs before this step (`history_positions`) per head. Returns
     [B, 3, 3, H, K] bf16 values (part, position, head, channel)."""
     window = read(cache.conv, rows.layer, jnp.where(rows.live, rows.slot, 0))
-    offset = rows.n[:, None, :, None, None] + jnp.arange(CONV_TAPS - 1)  # [B, 1, H, 1, 3]
+    offset = history_positions(rows)[:, None, :, None, :]  # [B, 1, H, 1, 3]
     history = jnp.take_along_axis(window, offset, axis=-1).astype(jnp.float32)
     return jnp.moveaxis(history, -1, 2)
 
@@ -155,9 +176,10 @@ def write_step(cache: KdaCache, rows: Rows, x, history, tokens: Tokens, u, keep,
     """The cache's records, window and pending after a verify (steps 7-9): per head, the
     T new records at positions base..base+T-1, the window [history, x_0 .. x_{T-1}] at
     base..base+T+2, and pending awaiting(base), with base = n where `keep` ([B, H], see
-    `keeps`), else 0. x: [B, T, 3, H, K] bf16; history: `read_history`'s;
-    u: [B, H, T, K]. Each head's rows go to its own offset: scatters of [K] (records) and
-    [3, K] (window) pieces, O(B) work."""
+    `keeps`), else 0; with trees, each node's parent in `nodes` at its record position.
+    x: [B, T, 3, H, K] bf16; history: `read_history`'s; u: [B, H, T, K]. Each head's
+    rows go to its own offset: scatters of [K] (records) and [3, K] (window) pieces, O(B)
+    work."""
     T, H = config.tokens, config.heads
     base = jnp.where(keep, rows.n, 0)  # [B, H]
     heads = jnp.arange(H)[None, :, None]
@@ -171,5 +193,10 @@ def write_step(cache: KdaCache, rows: Rows, x, history, tokens: Tokens, u, keep,
     window_at = (rows.slot[:, None, None], slice(None), heads, slice(None),
                  base[..., None] + jnp.arange(T + CONV_TAPS - 1))
     conv = write(cache.conv, rows.layer, window_at, window)
+    nodes = cache.nodes
+    if nodes is not None:
+        parents = node_parents(tokens.parents, T)  # [B or 1, T]
+        nodes = write(nodes, rows.layer, record_at,
+                      jnp.broadcast_to(parents[:, None, :], base.shape + (T,)))
     return KdaCache(cache.state, conv, corrections, key_gates,
-                    write_pending(cache, rows, awaiting(base)))
+                    write_pending(cache, rows, awaiting(base)), nodes)

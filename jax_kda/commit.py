@@ -25,42 +25,76 @@ from jax_kda.transforms import request_batched
 from jax_kda.validate import check_accept, check_flush
 
 
-def accept(cache: KdaCache, record_rows, accepted, config: KdaConfig) -> KdaCache:
-    """Records how many of the last verify's T tokens each request accepted.
+def accept(cache: KdaCache, record_rows, accepted, config: KdaConfig, *,
+           path=None) -> KdaCache:
+    """Records how many of the last verify's T tokens each request accepted (with
+    trees: which path).
 
     record_rows, accepted: [B] int32. For every b with 0 <= record_rows[b] < R whose
     record row awaits an accept (pending -(m + 1) < 0: its last verify kept m records),
     pending becomes m + accepted[b] clamped to [0, T] (the sum at most RQ), in every
     head (and layer of a stacked cache); 0 rejects the whole verify. A row that awaits
     no accept (accepted already, flushed, prefilled) is left as it is, so a repeated
-    accept changes nothing. Only `pending` is read and written.
+    accept changes nothing. path: with `config.trees`, [B, T] int32, the accepted nodes
+    in order (node 0 first, each next a child of the one before: the first entry that
+    is not ends the path there), the first accepted[b] of them counting; None is the
+    chain 0 .. a - 1 (docs/spec.md, "Token trees"). Only `pending` (and with trees
+    `nodes`, O(B T) entries) is read and written.
     """
-    check_accept(cache, record_rows, accepted, config)
-    _, pending = _accept_entry(config.tokens, config.rq)(
-        dict(cache=cache.pending), dict(record_rows=record_rows, accepted=accepted))
-    return dataclasses.replace(cache, pending=pending)
+    check_accept(cache, record_rows, accepted, config, path)
+    shared = dict(pending=cache.pending, nodes=cache.nodes)
+    requests = dict(record_rows=record_rows, accepted=accepted, path=path)
+    _, counted = _accept_entry(config.tokens, config.rq)(shared, requests)
+    return dataclasses.replace(cache, **counted)
 
 
 @functools.lru_cache(maxsize=None)
 def _accept_entry(tokens: int, record_tokens: int):
-    """`_accept` as `transforms.request_batched` runs it: a mapped axis of record_rows and
-    accepted folds into the batch under `jax.vmap`. Only the (integer) pending goes
-    through it: the cache's other leaves pass by, differentiable as they are."""
+    """`_accept` as `transforms.request_batched` runs it: a mapped axis of record_rows,
+    accepted and path folds into the batch under `jax.vmap`. Only the integer pending
+    and nodes go through it: the cache's other leaves pass by, differentiable as they
+    are."""
     def run(shared, requests):
-        return None, _accept(shared["cache"], requests["record_rows"], requests["accepted"],
-                             tokens, record_tokens)
+        return None, _accept(shared["pending"], shared["nodes"], requests["record_rows"],
+                             requests["accepted"], requests["path"], tokens, record_tokens)
 
     return request_batched("accept", run)
 
 
-@functools.partial(jax.jit, static_argnums=(3, 4))
-def _accept(pending, record_rows, accepted, tokens, record_tokens):
+@functools.partial(jax.jit, static_argnums=(5, 6))
+def _accept(pending, nodes, record_rows, accepted, path, tokens, record_tokens):
     R = pending.shape[-2]
     rows = jnp.where((record_rows >= 0) & (record_rows < R), record_rows, R)
     old = pending[..., jnp.minimum(rows, R - 1), :]  # [(L,) B, H]
-    counted = kept(old, record_tokens) + jnp.clip(accepted, 0, tokens)[:, None]
-    new = jnp.where(old < 0, jnp.minimum(counted, record_tokens), old)
-    return pending.at[..., rows, :].set(new, mode="drop")
+    m = kept(old, record_tokens)
+    count = jnp.clip(accepted, 0, tokens)[:, None]
+    if nodes is None:
+        new = jnp.where(old < 0, jnp.minimum(m + count, record_tokens), old)
+        return dict(pending=pending.at[..., rows, :].set(new, mode="drop"), nodes=None)
+    links = nodes[..., jnp.minimum(rows, R - 1), :, :]  # [(L,) B, H, RQ]
+    steps = jnp.arange(tokens) if path is None else path[:, None, :]  # the path's nodes
+    steps = jnp.broadcast_to(steps, old.shape + (tokens,))
+    if path is not None:
+        count = jnp.minimum(count, path_length(links, m, steps, tokens))
+    new = jnp.where(old < 0, jnp.minimum(m + count, record_tokens), old)
+    # nodes[m + i] := m + steps[i] for i < the accepted count: the path's record positions
+    i = jnp.arange(record_tokens) - m[..., None]  # [(L,) B, H, RQ]
+    taken = jnp.take_along_axis(steps, jnp.clip(i, 0, tokens - 1), axis=-1)
+    order = jnp.where((i >= 0) & (i < (new - m)[..., None]), m[..., None] + taken, links)
+    order = jnp.where((old < 0)[..., None], order, links)
+    return dict(pending=pending.at[..., rows, :].set(new, mode="drop"),
+                nodes=nodes.at[..., rows, :, :].set(order, mode="drop"))
+
+
+def path_length(links, m, steps, tokens: int):
+    """[...] int32: how many leading entries of `steps` ([..., T] node indices) make a
+    path of the tree an awaited verify recorded (`links` [..., RQ]: node t's parent at
+    m + t): node 0 first (its parent -1), each next a child of the one before."""
+    RQ = links.shape[-1]
+    parent = jnp.take_along_axis(links, jnp.clip(m[..., None] + steps, 0, RQ - 1), axis=-1)
+    before = jnp.concatenate([jnp.full_like(steps[..., :1], -1), steps[..., :-1]], axis=-1)
+    ok = (steps >= 0) & (steps < tokens) & (parent == before)
+    return jnp.sum(jnp.cumprod(ok.astype(jnp.int32), axis=-1), axis=-1)
 
 
 def flush(params: KdaParams, cache: KdaCache, slots, record_rows,

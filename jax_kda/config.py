@@ -12,6 +12,7 @@ K = 128  # key and value head dim, and the gate projection's rank
 CONV_TAPS = 4  # the short convolution's width
 NORM_EPS = 1e-6  # inside the L2 norms of q and k
 SPLITS = (1, 2, 4, 8)  # CTAs per (request, head) the kernel can run with
+MAX_TOKENS = 16  # tokens (chain or tree nodes) of one verify
 
 SM_SHARED = 228 * 1024  # shared memory of one Hopper SM
 CTA_SHARED_LIMIT = 227 * 1024  # dynamic shared memory one CTA may opt into on sm_90
@@ -28,6 +29,13 @@ def integer(value, allowed):
 
 
 FP32_TINY = float(np.finfo(np.float32).tiny)  # the smallest normal FP32 number, 2^-126
+
+
+def boolean(value, allowed):
+    """value if it is a bool (Python's or NumPy's) in `allowed`."""
+    if isinstance(value, (bool, np.bool_)) and allowed(bool(value)):
+        return bool(value)
+    return None
 
 
 def real(value, allowed):
@@ -69,7 +77,8 @@ class KdaConfig:
 
     Attributes:
       heads: H, number of heads (>= 1); every head has K = 128 key and value channels.
-      tokens: T, tokens fed to one verify (2..8): the last sampled token plus T-1 drafts.
+      tokens: T, tokens fed to one verify (2..16): the last sampled token plus T-1
+        drafts, a chain or, with `trees`, a tree of them.
       record_tokens: RQ, tokens a record row holds; None means C * T (C =
         checkpoint_every). Must be >= T.
       lower_bound: the gate's lower bound (< 0); decays are
@@ -84,6 +93,9 @@ class KdaConfig:
         verify that replays; C > 1 keeps the accepted tokens in the records and writes
         the state only when the next T records would not fit after them (docs/spec.md,
         "Lazy checkpoint").
+      trees: whether verifies may take token trees (`VerifyInputs.parents`) and
+        `accept` a path of one: the cache then keeps each record's node links
+        (`KdaCache.nodes`; docs/spec.md, "Token trees"). Needs checkpoint_every 1.
 
     Integer fields take Python or NumPy integers (not bools), real fields any real
     number that stays a finite, normal FP32 number (the arithmetic is FP32: a value
@@ -100,11 +112,12 @@ class KdaConfig:
     gate_mode: int = 0
     split: int | None = None
     checkpoint_every: int = 1
+    trees: bool = False
 
     def __post_init__(self):
         rules = [
             ("heads", integer, lambda v: v >= 1, "an int >= 1"),
-            ("tokens", integer, lambda v: 2 <= v <= 8, "an int in 2..8"),
+            ("tokens", integer, lambda v: 2 <= v <= MAX_TOKENS, f"an int in 2..{MAX_TOKENS}"),
             ("record_tokens", integer, lambda v: v >= self.tokens,
              f"None or an int >= tokens={self.tokens}"),
             ("lower_bound", real, lambda v: v < 0, f"a float < 0 {IN_FP32}"),
@@ -113,6 +126,10 @@ class KdaConfig:
             ("gate_mode", integer, lambda v: v in (0, 1), "0 or 1"),
             ("split", integer, lambda v: v in SPLITS, f"None or one of {SPLITS}"),
             ("checkpoint_every", integer, lambda v: v >= 1, "an int >= 1"),
+            ("trees", boolean, lambda v: not v or self.checkpoint_every == 1,
+             "a bool" if self.checkpoint_every == 1 else
+             f"False at checkpoint_every={self.checkpoint_every} (trees need 1: a kept "
+             f"path's records would lie under the next verify's nodes)"),
         ]
         for name, kind, allowed, expected in rules:
             value = getattr(self, name)

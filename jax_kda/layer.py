@@ -15,6 +15,7 @@ import jax.numpy as jnp
 
 from jax_kda.config import CONV_TAPS, K, NORM_EPS, KdaConfig
 from jax_kda.pytrees import KdaParams
+from jax_kda.tree import nearest_ancestors
 
 HIGHEST = jax.lax.Precision.HIGHEST
 
@@ -68,20 +69,30 @@ def gate_projection(f_a, f_b, gate_mode):
     return round_bf16(total)
 
 
-def convolve(history, x, weight, bias):
+def convolve(history, x, weight, bias, parents=None):
     """The short causal convolution and SiLU of q, k and v.
 
     history: [B, 3, 3, H, K] bf16 values, the three inputs before x_0 (part, position, ...).
     x: [B, T, 3, H, K] the step's raw inputs. weight: [3, 4, H, K]; bias: [3, H, K] or None.
-    Returns [B, T, 3, H, K] bf16 values: y_t = bias + sum_i w_i seq[t + i], taps in order.
+    parents: None (a chain) or [B, T] int32 (a tree, as `tree.node_parents` reads it):
+    tap 3 reads a node's own input, taps 2, 1, 0 its path's before it.
+    Returns [B, T, 3, H, K] bf16 values: y_t = bias + sum_i w_i seq_i, taps in order.
     """
     T = x.shape[1]
     seq = jnp.concatenate([jnp.moveaxis(history, 2, 1), x.astype(jnp.float32)], axis=1)
+    if parents is None:
+        taps = [seq[:, i:i + T] for i in range(CONV_TAPS)]
+    else:  # positions in seq: the history at 0..2, node j at j + 3
+        reach = nearest_ancestors(parents, CONV_TAPS - 1)  # nearest first
+        at = [reach[..., CONV_TAPS - 2 - i] for i in range(CONV_TAPS - 1)]
+        at.append(jnp.broadcast_to(jnp.arange(T), parents.shape))
+        taps = [jnp.take_along_axis(seq, (a + CONV_TAPS - 1)[:, :, None, None, None], axis=1)
+                for a in at]
     weight = weight.astype(jnp.float32)
     y = jnp.zeros(x.shape, jnp.float32) if bias is None else jnp.broadcast_to(
         bias.astype(jnp.float32), x.shape)
     for i in range(CONV_TAPS):
-        y = y + weight[:, i] * seq[:, i:i + T]
+        y = y + weight[:, i] * taps[i]
     return silu(y)
 
 
@@ -98,7 +109,8 @@ def gated_rmsnorm(o, gate, norm_weight, eps):
 class Tokens(NamedTuple):
     """A step's per-token operands. q, k: [B, H, T, K] normalized (q scaled); v:
     [B, H, T, K]; d: [B, H, T, K] decays; beta: [B, H, T]; key, raw_g: [B, T, H, K]
-    bf16 values recorded for the next replay."""
+    bf16 values recorded for the next replay; parents: [B, T] int32 of a tree (as
+    `tree.node_parents` reads them), None for a chain."""
 
     q: jax.Array
     k: jax.Array
@@ -107,18 +119,22 @@ class Tokens(NamedTuple):
     beta: jax.Array
     key: jax.Array
     raw_g: jax.Array
+    parents: jax.Array | None = None
 
 
-def convolved(params: KdaParams, x, f_a, history, config: KdaConfig):
+def convolved(params: KdaParams, x, f_a, history, config: KdaConfig, parents=None):
     """The convolution and SiLU of q, k and v, and the gate projection: (y [B, T, 3, H, K],
     raw_g [B, T, H, K]), bf16 values, token-major. x: [B, T, 3, H, K] bf16; f_a:
-    [B, T, K]; history as `cache_rows.read_history` returns it."""
-    return (convolve(history, x, params.conv_weight, params.conv_bias),
+    [B, T, K]; history as `cache_rows.read_history` returns it; parents: a tree's
+    (`convolve`), None for a chain."""
+    return (convolve(history, x, params.conv_weight, params.conv_bias, parents),
             gate_projection(f_a, params.f_b, config.gate_mode))
 
 
-def normalized(params: KdaParams, y, raw_g, beta, config: KdaConfig) -> Tokens:
-    """The norms, decays and betas of `convolved`'s tokens (beta: [B, T, H] logits)."""
+def normalized(params: KdaParams, y, raw_g, beta, config: KdaConfig,
+               parents=None) -> Tokens:
+    """The norms, decays and betas of `convolved`'s tokens (beta: [B, T, H] logits);
+    parents: a tree's, kept in the `Tokens`."""
     q, key, v = (jnp.swapaxes(y[:, :, i], 1, 2) for i in range(3))  # [B, H, T, K]
     d = decay(raw_g, params.a_log, params.dt_bias, config.lower_bound)
     return Tokens(
@@ -129,13 +145,16 @@ def normalized(params: KdaParams, y, raw_g, beta, config: KdaConfig) -> Tokens:
         beta=jax.nn.sigmoid(jnp.swapaxes(beta.astype(jnp.float32), 1, 2)),
         key=jnp.swapaxes(key, 1, 2),
         raw_g=raw_g,
+        parents=parents,
     )
 
 
-def prepare_tokens(params: KdaParams, x, f_a, beta, history, config: KdaConfig) -> Tokens:
+def prepare_tokens(params: KdaParams, x, f_a, beta, history, config: KdaConfig,
+                   parents=None) -> Tokens:
     """Convolution, SiLU, norms, gate projection, decays and betas of the tokens
-    (`convolved`, then `normalized`)."""
-    return normalized(params, *convolved(params, x, f_a, history, config), beta, config)
+    (`convolved`, then `normalized`); parents: a tree's, None for a chain."""
+    return normalized(params, *convolved(params, x, f_a, history, config, parents), beta,
+                      config, parents)
 
 
 class Prompt(NamedTuple):

@@ -62,9 +62,13 @@ class KdaCache:
       records (positions 0..n-1) and not yet in the checkpoint, or, while the last
       verify awaits its `accept`, -(m + 1): it kept m records and wrote its own after
       them (`awaiting`, `kept`).
+    nodes: [R, H, RQ] int32 with trees (`KdaConfig.trees`), else None: while the last
+      verify awaits its accept, each of its records' parent node; once accepted, the
+      record positions of the kept tokens in replay order (docs/spec.md, "Token
+      trees").
 
-    The state as of a request's last accepted token is (checkpoint, records, pending)
-    together; `flush` folds it into the checkpoint alone.
+    The state as of a request's last accepted token is (checkpoint, records, pending,
+    nodes) together; `flush` folds it into the checkpoint alone.
     """
 
     state: jax.Array
@@ -72,6 +76,7 @@ class KdaCache:
     corrections: jax.Array
     key_gates: jax.Array
     pending: jax.Array
+    nodes: jax.Array | None = None
 
 
 AWAITING = -1  # pending of a record row awaiting the accept of a verify that kept nothing
@@ -102,6 +107,9 @@ class VerifyInputs:
     gate: [B, T, H, K] bf16, output-gate logits (sigmoid inside the norm).
     slots: [B] int32, state slot per request; <= 0 (or >= S) is a padding row.
     record_rows: [B] int32, record row per request; < 0 (or >= R) keeps no records.
+    parents: [B, T] int32 or None: with trees (`KdaConfig.trees`), each node's parent
+      (-1 for node 0, then 0 <= parents[b, t] < t); None is the chain (docs/spec.md,
+      "Token trees").
     """
 
     x: jax.Array
@@ -110,11 +118,13 @@ class VerifyInputs:
     gate: jax.Array
     slots: jax.Array
     record_rows: jax.Array
+    parents: jax.Array | None = None
 
 
 def cache_shapes(config: KdaConfig, num_slots: int, num_records: int,
                  layers: int | None = None) -> KdaCache:
-    """The cache's shapes and dtypes (`jax.ShapeDtypeStruct`s)."""
+    """The cache's shapes and dtypes (`jax.ShapeDtypeStruct`s); nodes None without
+    trees."""
     H, RQ, W = config.heads, config.rq, config.window
     lead = () if layers is None else (layers,)
     S, R = num_slots, num_records
@@ -125,6 +135,7 @@ def cache_shapes(config: KdaConfig, num_slots: int, num_records: int,
         corrections=struct((R, H, RQ, K), jnp.float32),
         key_gates=struct((R, H, RQ, 2, K), jnp.bfloat16),
         pending=struct((R, H), jnp.int32),
+        nodes=struct((R, H, RQ), jnp.int32) if config.trees else None,
     )
 
 

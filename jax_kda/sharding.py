@@ -19,12 +19,13 @@ from jax_kda.config import KdaConfig, integer
 from jax_kda.pytrees import KdaCache, KdaParams, PrefillInputs, VerifyInputs
 
 # The head axis of each head-indexed field, counted from the end: the same stacked (a
-# leading [L]) or not. Fields not here (f_a, norm_weight, slots, record_rows, lengths,
-# resume) are shared by the heads: every shard holds them whole.
+# leading [L]) or not. Fields not here (f_a, norm_weight, slots, record_rows, parents,
+# lengths, resume) are shared by the heads: every shard holds them whole.
 HEAD_AXES = {
     "x": -2, "beta": -1, "gate": -2,  # VerifyInputs, PrefillInputs
     "conv_weight": -2, "conv_bias": -2, "a_log": -1, "dt_bias": -2, "f_b": -3,  # KdaParams
     "state": -3, "conv": -3, "corrections": -3, "key_gates": -4, "pending": -1,  # KdaCache
+    "nodes": -2,
 }
 OUTPUT_HEAD_AXIS = -2  # out [B, N, H, K] of a verify (N = T) or a prefill (N = P)
 LAYER_TREES = (KdaParams, KdaCache, VerifyInputs, PrefillInputs)

@@ -19,12 +19,14 @@ from jax_kda.cache_rows import (keeps, layer_of, locate, pad_rows, read_history,
 from jax_kda.config import CONV_TAPS, KdaConfig
 from jax_kda.layer import Prompt, convolved, gated_rmsnorm, prepare_tokens
 from jax_kda.pytrees import KdaCache, KdaParams, PrefillInputs, VerifyInputs
+from jax_kda.tree import node_parents
 
 
 def verify_step(params: KdaParams, cache: KdaCache, inputs: VerifyInputs, config: KdaConfig,
                 layer, recurrence):
     """One verify around `recurrence(S_0, replay, tokens) -> (S_n, u, o)`, o in bf16
-    values, each [B, H, ...] (replay: a `cache_rows.Replay`, tokens: a `layer.Tokens`).
+    values, each [B, H, ...] (replay: a `cache_rows.Replay`, tokens: a `layer.Tokens`,
+    with the tree's parents where inputs.parents is given).
     layer: the int32 layer of stacked params and cache, or None. Returns (out
     [B, T, H, K] bf16, cache)."""
     B = inputs.slots.shape[0]
@@ -32,7 +34,9 @@ def verify_step(params: KdaParams, cache: KdaCache, inputs: VerifyInputs, config
     rows = locate(cache, inputs.slots, inputs.record_rows, config, layer)
     params = layer_of(params, rows.layer)
     history = read_history(cache, rows)
-    tokens = prepare_tokens(params, inputs.x, inputs.f_a, inputs.beta, history, config)
+    parents = None if inputs.parents is None else node_parents(inputs.parents, config.tokens)
+    tokens = prepare_tokens(params, inputs.x, inputs.f_a, inputs.beta, history, config,
+                            parents)
     state_0 = read_state(cache, rows)
     state_n, u, o = recurrence(state_0, read_replay(params, cache, rows, config), tokens)
     out = gated_rmsnorm(jnp.swapaxes(o, 1, 2), inputs.gate, params.norm_weight, config.eps)

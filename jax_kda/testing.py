@@ -36,16 +36,27 @@ def random_cache(key, config: KdaConfig, num_slots: int, num_records: int, *,
                  layers: int | None = None) -> KdaCache:
     """A cache as a running decode leaves it: every buffer random, each record row's
     pending in [1, T] (the same in every head and layer, as the protocol keeps it), every
-    other buffer different in every layer."""
+    other buffer different in every layer; with trees, each row's kept tokens at
+    increasing record positions from 0, as an accepted path leaves them."""
     shapes = cache_shapes(config, num_slots, num_records, layers)
-    k = jax.random.split(key, 5)
+    k = jax.random.split(key, 6)
     pending = jax.random.randint(k[4], (num_records, 1), 1, config.tokens + 1, jnp.int32)
+    nodes = None
+    if config.trees:
+        RQ = config.rq
+        later = jax.vmap(lambda key: jax.random.permutation(key, RQ - 1) + 1)(
+            jax.random.split(k[5], num_records))  # [R, RQ - 1]: positions past 0
+        chosen = jnp.sort(jnp.where(jnp.arange(RQ - 1) < pending - 1, later, RQ), axis=-1)
+        positions = jnp.minimum(jnp.concatenate([jnp.zeros_like(pending), chosen], -1),
+                                RQ - 1)
+        nodes = jnp.broadcast_to(positions[:, None, :], shapes.nodes.shape)
     return KdaCache(
         state=0.5 * jax.random.normal(k[0], shapes.state.shape, jnp.float32),
         conv=jax.random.normal(k[1], shapes.conv.shape).astype(jnp.bfloat16),
         corrections=jax.random.normal(k[2], shapes.corrections.shape, jnp.float32),
         key_gates=jax.random.normal(k[3], shapes.key_gates.shape).astype(jnp.bfloat16),
         pending=jnp.broadcast_to(pending, shapes.pending.shape),
+        nodes=nodes,
     )
 
 
@@ -63,6 +74,13 @@ def random_inputs(key, config: KdaConfig, slots, record_rows) -> VerifyInputs:
         slots=slots,
         record_rows=jnp.asarray(record_rows, jnp.int32),
     )
+
+
+def random_parents(rng: np.random.Generator, batch: int, tokens: int):
+    """[B, T] int32: a random tree per request, node t's parent drawn from 0 .. t - 1."""
+    parents = [[-1] + [int(rng.integers(0, t)) for t in range(1, tokens)]
+               for _ in range(batch)]
+    return jnp.asarray(parents, jnp.int32)
 
 
 def random_accepted(rng: np.random.Generator, record_rows, tokens: int):

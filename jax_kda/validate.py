@@ -86,6 +86,14 @@ def check_cache(cache: KdaCache, config: KdaConfig, stacked: bool | None = None)
     expect("cache.key_gates", cache.key_gates,
            lead + [("R", R), ("H", H), ("RQ", RQ), (None, 2), (None, K)], (BF16,))
     expect("cache.pending", cache.pending, lead + [("R", R), ("H", H)], (I32,))
+    if config.trees:
+        if cache.nodes is None:
+            raise ValueError("cache.nodes: expected an array [R, H, RQ] int32 with "
+                             "config.trees, got None (init_cache with this config)")
+        expect("cache.nodes", cache.nodes, lead + [("R", R), ("H", H), ("RQ", RQ)], (I32,))
+    elif cache.nodes is not None:
+        raise ValueError("cache.nodes: expected None without config.trees, got an array "
+                         "(KdaConfig(trees=True) for a cache of trees)")
     if S < 1 or R < 1:
         raise ValueError(f"cache: expected S >= 1 slots and R >= 1 record rows, got {S=}, {R=}")
     return S, R, L
@@ -122,6 +130,12 @@ def check_verify(params: KdaParams, cache: KdaCache, inputs: VerifyInputs,
     expect("gate", inputs.gate, [("B", B), ("T", T), ("H", H), (None, K)], (BF16,))
     check_rows("slots", inputs.slots, B)
     check_rows("record_rows", inputs.record_rows, B)
+    if inputs.parents is not None:
+        if not config.trees:
+            raise ValueError("parents: given, but config.trees is False (the cache keeps no "
+                             "node links); use KdaConfig(trees=True), or parents=None for a "
+                             "chain")
+        expect("parents", inputs.parents, [("B", B), ("T", T)], (I32,))
     return B, (check_layer(layer, L) if stacked else None)
 
 
@@ -148,12 +162,18 @@ def check_prefill(params: KdaParams, cache: KdaCache, inputs: PrefillInputs,
 
 
 
-def check_accept(cache: KdaCache, record_rows, accepted, config: KdaConfig) -> None:
+def check_accept(cache: KdaCache, record_rows, accepted, config: KdaConfig,
+                 path=None) -> None:
     """Trace-time check of an accept's arguments (the cache stacked or not)."""
     typed("config", config, KdaConfig)
     check_cache(cache, config)
     B = check_rows("record_rows", record_rows)
     check_rows("accepted", accepted, B)
+    if path is not None:
+        if not config.trees:
+            raise ValueError("path: given, but config.trees is False (no verify took a "
+                             "tree); use KdaConfig(trees=True), or path=None for a chain")
+        expect("path", path, [("B", B), ("T", config.tokens)], (I32,))
 
 
 def check_flush(params: KdaParams, cache: KdaCache, slots, record_rows,
@@ -167,7 +187,7 @@ def check_flush(params: KdaParams, cache: KdaCache, slots, record_rows,
 
 
 def check_inputs(cache: KdaCache, slots, record_rows, config: KdaConfig, *,
-                 accepted=None) -> None:
+                 accepted=None, parents=None, path=None) -> None:
     """Host-side check of one batch's index values (concrete arrays, not tracers), for
     a verify or, with `accepted`, for the `accept` after it.
 
@@ -180,7 +200,11 @@ def check_inputs(cache: KdaCache, slots, record_rows, config: KdaConfig, *,
     records than a verify keeps), and a record row that still awaits the accept of its
     last verify (whose tokens then count as rejected). With `accepted`: counts outside
     [0, T] (clamped) and record rows that no verify has left awaiting an accept (the
-    accept is ignored there). Padding rows (slot <= 0) are ignored.
+    accept is ignored there). With trees: `parents` ([B, T], a verify's) entries the
+    verify reads otherwise (node 0's not -1, a node t's outside [0, t)); `path` ([B, T],
+    with `accepted`) entries that end the path before the accepted count (not node 0
+    first, or not a child of the entry before by the tree the awaited verify recorded).
+    Padding rows (slot <= 0) are ignored.
     """
     S, R, _ = check_cache(cache, config)
     slots, rows = np.asarray(slots), np.asarray(record_rows)
@@ -226,6 +250,31 @@ def check_inputs(cache: KdaCache, slots, record_rows, config: KdaConfig, *,
         accepted = np.asarray(accepted)
         for b in np.flatnonzero(live & ((accepted < 0) | (accepted > T))):
             problems.append(f"accepted[{b}]={accepted[b]} is outside [0, T={T}]: clamped")
+    if parents is not None:
+        parents = np.asarray(parents)
+        for b in np.flatnonzero(live):
+            for t, parent in enumerate(parents[b].tolist()):
+                if t == 0 and parent != -1:
+                    problems.append(f"parents[{b}, 0]={parent} is not -1: read as -1")
+                elif t and not 0 <= parent < t:
+                    problems.append(f"parents[{b}, {t}]={parent} is outside [0, {t}): read as "
+                                    "0 (a child of node 0)")
+    if path is not None and accepted is not None and cache.nodes is not None:
+        path = np.asarray(path)
+        links = np.asarray(cache.nodes).reshape(-1, R, config.heads, RQ)[0, :, 0]
+        for b in np.flatnonzero(indexed):
+            first = int(pending[0, rows[b], 0])
+            if first >= 0:
+                continue
+            m, count = -first - 1, min(max(int(accepted[b]), 0), T)
+            for i, node in enumerate(path[b, :count].tolist()):
+                before = -1 if i == 0 else int(path[b, i - 1])
+                if not (0 <= node < T and 0 <= m + node < RQ and links[rows[b], m + node] == before):
+                    problems.append(f"path[{b}, {i}]={node} is not "
+                                    + ("node 0" if i == 0 else f"a child of node {before}")
+                                    + f" in the awaited tree: the path ends there ({i} of "
+                                    f"{count} accepted)")
+                    break
     if problems:
         raise ValueError("check_inputs found:\n  " + "\n  ".join(problems))
 

@@ -19,7 +19,8 @@ from jax_kda.steps import verify_step
 def verify_recurrence(state, replay: Replay, tokens):
     """Closed-form replay, then the chunked verify from S_n: (S_n, u, o)."""
     state_n = wy.replay(state, *replay)
-    u, o = wy.verify(state_n, tokens.q, tokens.k, tokens.v, tokens.beta, tokens.d)
+    u, o = wy.verify(state_n, tokens.q, tokens.k, tokens.v, tokens.beta, tokens.d,
+                     tokens.parents)
     return state_n, u, o
 
 

@@ -21,7 +21,7 @@ import numpy as np
 K = 128
 TAPS = 4
 NORM_EPS = 1e-6
-CACHE_FIELDS = ("state", "conv", "corrections", "key_gates", "pending")
+CACHE_FIELDS = ("state", "conv", "corrections", "key_gates", "pending", "nodes")
 PARAM_FIELDS = ("conv_weight", "conv_bias", "a_log", "dt_bias", "f_b", "norm_weight")
 
 
@@ -95,8 +95,33 @@ def kept_records(pending, RQ):
 
 
 def copy_cache(cache):
-    """The cache as a SimpleNamespace of numpy copies in the stored dtypes."""
-    return SimpleNamespace(**{name: np.array(getattr(cache, name)) for name in CACHE_FIELDS})
+    """The cache as a SimpleNamespace of numpy copies in the stored dtypes (nodes None
+    without trees)."""
+    return SimpleNamespace(**{name: None if getattr(cache, name, None) is None
+                              else np.array(getattr(cache, name)) for name in CACHE_FIELDS})
+
+
+def tree_parents(parents, T):
+    """A verify's parent of each node as the contract reads [T] int entries (None: the
+    chain): node 0's is -1, a node t's outside [0, t) is 0."""
+    if parents is None:
+        return np.arange(T) - 1
+    parents = np.asarray(parents, np.int64)
+    return np.array([-1 if t == 0 else int(p) if 0 <= p < t else 0
+                     for t, p in enumerate(parents)])
+
+
+def record_positions(nodes, rec, h, n):
+    """The record positions of a row's n kept tokens, in replay order: nodes[rec, h, :n]
+    with trees, else 0 .. n - 1."""
+    return list(range(n)) if nodes is None else [int(j) for j in nodes[rec, h, :n]]
+
+
+def history_positions(nodes, rec, h, n):
+    """The window positions of the next verify's three history inputs: those of the last
+    three kept tokens (position + 3), j < 0 reading window[j + 3]."""
+    kept = record_positions(nodes, rec, h, n)
+    return [kept[j] + 3 if j >= 0 else j + 3 for j in range(n - 3, n)]
 
 
 def _weights(params):
@@ -106,7 +131,7 @@ def _weights(params):
 
 
 def _layer(tree, fields, layer):
-    return SimpleNamespace(**{name: None if getattr(tree, name) is None
+    return SimpleNamespace(**{name: None if getattr(tree, name, None) is None
                               else np.asarray(getattr(tree, name))[layer] for name in fields})
 
 
@@ -128,7 +153,8 @@ def _stacked(one_layer):
         out, layer_cache = one_layer(_layer(params, PARAM_FIELDS, layer),
                                      _layer(cache, CACHE_FIELDS, layer), batch, config)
         for name in CACHE_FIELDS:
-            getattr(new, name)[layer] = getattr(layer_cache, name)
+            if getattr(new, name) is not None:
+                getattr(new, name)[layer] = getattr(layer_cache, name)
         return out, new
 
     run.__doc__ = one_layer.__doc__
@@ -136,9 +162,10 @@ def _stacked(one_layer):
 
 
 def _replay(old, slot, rec, h, n, w, lb):
-    """S_n of (slot, head h) from the stock recurrence over the n recorded tokens."""
+    """S_n of (slot, head h) from the stock recurrence over the n recorded tokens, in
+    the order `record_positions` gives."""
     state = f64(old.state[slot, h])
-    for t in range(n):
+    for t in record_positions(old.nodes, rec, h, n):
         kn = l2_normalize(f64(old.key_gates[rec, h, t, 0]))
         d = decay(f64(old.key_gates[rec, h, t, 1]), w.a_log[h], w.dt_bias[h], lb)
         state = state * d[None, :] + np.outer(f64(old.corrections[rec, h, t]), kn)
@@ -176,6 +203,44 @@ def _tokens(state, history, x, f_a, beta_logit, gate, w, h, config, count):
     return state, out, u_all, qkv[1], raw_all
 
 
+def _tree_tokens(state, history, x, f_a, beta_logit, gate, parents, w, h, config):
+    """`_tokens` of a tree of T nodes: node t from its parent's state (node 0 from
+    `state`), its convolution over its path's raw inputs, the window's history past the
+    root. parents: [T] as `tree_parents` reads them. Returns (out, u, key, raw_g), each
+    [T, K]."""
+    T = len(parents)
+    _, _, _, scale = _sizes(config)
+    lb = config.lower_bound
+    out, u_all, key_all, raw_all = (np.empty((T, K)) for _ in range(4))
+    states = {}
+    for t in range(T):
+        path, a = [t], int(parents[t])
+        while a >= 0 and len(path) < 4:  # the nearest ancestors, nearest first
+            path.append(a)
+            a = int(parents[a])
+        seq_nodes = path[::-1]  # [ancestors..., t]
+        qkv = np.empty((3, K))
+        for part in range(3):
+            seq = [history[part, i] for i in range(3)][len(seq_nodes) - 1:]
+            seq = np.array(seq + [x[node, part] for node in seq_nodes])  # [4, K]
+            bias = None if w.conv_bias is None else w.conv_bias[part, h]
+            qkv[part] = conv_silu(seq, w.conv_weight[part, :, h], bias, 1)[0]
+        q_hat = l2_normalize(qkv[0], scale)
+        k_hat = l2_normalize(qkv[1])
+        raw_g = gate_projection(f_a[t], w.f_b[h], config.gate_mode)
+        d = decay(raw_g, w.a_log[h], w.dt_bias[h], lb)
+        beta = sigmoid(beta_logit[t])
+        S = (state if parents[t] < 0 else states[int(parents[t])]) * d[None, :]
+        u = beta * (qkv[2] - S @ k_hat)
+        S = S + np.outer(u, k_hat)
+        states[t] = S
+        o = bf16(S @ q_hat)
+        rstd = 1.0 / np.sqrt(np.mean(o**2) + config.eps)
+        out[t] = bf16(o * rstd * w.norm_weight * sigmoid(gate[t]))
+        u_all[t], key_all[t], raw_all[t] = u, qkv[1], raw_g
+    return out, u_all, key_all, raw_all
+
+
 def _verify_one(params, cache, inputs, config, padding=False):
     """One verify of one layer (docs/spec.md, steps 0-9): returns (out [B, T, H, K] bf16
     values as float64, cache)."""
@@ -186,6 +251,7 @@ def _verify_one(params, cache, inputs, config, padding=False):
     x, f_a = f64(inputs.x), f64(inputs.f_a)
     beta_logit, gate = f64(inputs.beta), f64(inputs.gate)
     slots, record_rows = np.asarray(inputs.slots), np.asarray(inputs.record_rows)
+    given = getattr(inputs, "parents", None)
     S, R = old.state.shape[0], old.pending.shape[0]
     B = x.shape[0]
     out = np.zeros((B, T, H, K))
@@ -206,16 +272,25 @@ def _verify_one(params, cache, inputs, config, padding=False):
                 new.state[slot, h] = state
             base = n if keep else 0
             window = old.conv[slot, :, h]  # [3 parts, K, W] bf16
-            history = np.moveaxis(window[..., n:n + 3], -1, 1)  # [3 parts, 3, K]
-            _, out[b, :, h], u, key, raw_g = _tokens(
-                state, f64(history), x[b, :, :, h], f_a[b], beta_logit[b, :, h],
-                gate[b, :, h], w, h, config, T)
+            kept = history_positions(old.nodes, rec, h, n) if has_records else [0, 1, 2]
+            history = np.moveaxis(window[..., kept], -1, 1)  # [3 parts, 3, K]
+            parents = tree_parents(None if given is None else given[b], T)
+            if given is None:
+                _, out[b, :, h], u, key, raw_g = _tokens(
+                    state, f64(history), x[b, :, :, h], f_a[b], beta_logit[b, :, h],
+                    gate[b, :, h], w, h, config, T)
+            else:
+                out[b, :, h], u, key, raw_g = _tree_tokens(
+                    state, f64(history), x[b, :, :, h], f_a[b], beta_logit[b, :, h],
+                    gate[b, :, h], parents, w, h, config)
             if has_records:
                 new.corrections[rec, h, base:base + T] = u
                 new.key_gates[rec, h, base:base + T, 0] = key
                 new.key_gates[rec, h, base:base + T, 1] = raw_g
                 new.pending[rec, h] = -(base + 1)
-            new.conv[slot, :, h, :, base:base + 3] = window[..., n:n + 3]
+                if new.nodes is not None:
+                    new.nodes[rec, h, base:base + T] = parents
+            new.conv[slot, :, h, :, base:base + 3] = window[..., kept]
             new.conv[slot, :, h, :, base + 3:base + T + 3] = np.moveaxis(raw_x[b, :, :, h],
                                                                          0, -1)
     return out, new
@@ -227,22 +302,43 @@ of layer `layer` of stacked params and cache. Returns (out [B, T, H, K] bf16 val
 float64, cache as numpy arrays)."""
 
 
-def accept(cache, record_rows, accepted, config):
+def accept(cache, record_rows, accepted, config, path=None):
     """The runner's accept: in every head (and layer) of each in-range record row that
-    awaits an accept (pending = -(m + 1) < 0), pending := m + clamp(accepted, 0, T), m
-    clamped to [0, RQ] and the sum to RQ; everything else unchanged."""
+    awaits an accept (pending = -(m + 1) < 0), pending := m + a, a = clamp(accepted, 0,
+    T), m clamped to [0, RQ] and the sum to RQ; with `path` ([B, T]; trees), a is cut
+    at the first entry that is not node 0 (first) or a child of the entry before (by
+    the nodes the verify recorded), and nodes[m + i] := m + path[i] for i < a; without
+    it (a chain) nodes[m + i] := m + i where the cache has nodes. Everything else
+    unchanged."""
     _, T, RQ, _ = _sizes(config)
     new = copy_cache(cache)
     old = np.array(new.pending)
     R = old.shape[-2]
-    for rec, count in zip(np.asarray(record_rows).tolist(), np.asarray(accepted).tolist()):
+    for b, (rec, count) in enumerate(zip(np.asarray(record_rows).tolist(),
+                                         np.asarray(accepted).tolist())):
         if not 0 <= rec < R:
             continue
-        for index in np.ndindex(old[..., rec, :].shape):
+        for index in np.ndindex(old[..., rec, :].shape):  # (layer,) head
             value = int(old[..., rec, :][index])
-            if value < 0:
-                total = int(kept_records(value, RQ)) + min(max(count, 0), T)
-                new.pending[..., rec, :][index] = min(total, RQ)
+            if value >= 0:
+                continue
+            m = int(kept_records(value, RQ))
+            a = min(max(count, 0), T)
+            nodes = None if new.nodes is None else new.nodes[..., rec, :, :][index]
+            if path is not None:
+                steps = [int(v) for v in np.asarray(path)[b]]
+                length = 0
+                while length < a:
+                    node, before = steps[length], (-1 if length == 0 else steps[length - 1])
+                    if not 0 <= node < T or (length == 0 and node != 0) or (
+                            length > 0 and int(nodes[m + node]) != before):
+                        break
+                    length += 1
+                a = length
+            if nodes is not None:
+                order = steps[:a] if path is not None else list(range(a))
+                nodes[m:m + a] = [m + node for node in order]
+            new.pending[..., rec, :][index] = min(m + a, RQ)
     return new
 
 
@@ -260,7 +356,8 @@ def _flush_one(params, cache, batch, config):
             n = int(kept_records(old.pending[rec, h], RQ)) if has_records else 0
             if n > 0:
                 new.state[slot, h] = _replay(old, slot, rec, h, n, w, config.lower_bound)
-            new.conv[slot, :, h, :, :3] = old.conv[slot, :, h, :, n:n + 3]
+            kept = history_positions(old.nodes, rec, h, n) if has_records else [0, 1, 2]
+            new.conv[slot, :, h, :, :3] = old.conv[slot, :, h][..., kept]
         if has_records:
             new.pending[rec] = 0
     return None, new
@@ -278,7 +375,8 @@ def flush(params, cache, slots, record_rows, config):
                                     _layer(cache, CACHE_FIELDS, layer),
                                     (slots, record_rows), config)
         for name in CACHE_FIELDS:
-            getattr(new, name)[layer] = getattr(layer_cache, name)
+            if getattr(new, name) is not None:
+                getattr(new, name)[layer] = getattr(layer_cache, name)
     return new
 
 
@@ -312,7 +410,8 @@ def _prefill_one(params, cache, inputs, config, padding=False):
             state, history = np.zeros((K, K)), np.zeros((3, 3, K))
             if resume[b]:
                 state = _replay(old, slot, rec, h, n, w, config.lower_bound)
-                window[:, h] = old.conv[slot, :, h, :, n:n + 3]
+                kept = history_positions(old.nodes, rec, h, n) if has_records else [0, 1, 2]
+                window[:, h] = old.conv[slot, :, h][..., kept]
                 history = np.moveaxis(f64(window[:, h]), -1, 1)  # [3 parts, 3, K]
             state, out[b, :count, h], _, _, _ = _tokens(
                 state, history, x[b, :count, :, h], f_a[b, :count], beta_logit[b, :count, h],

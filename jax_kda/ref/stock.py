@@ -41,11 +41,32 @@ def stock_replay(state, replay):
 
 
 def stock_recurrence(state, replay, tokens):
-    """Replay then verify, one token per scan step: (S_n, u, o)."""
+    """Replay then verify, one token per scan step (a tree: each node from its parent's
+    state, one node at a time): (S_n, u, o)."""
     state_n = stock_replay(state, replay)
     operands = tuple(map(per_token, (tokens.q, tokens.k, tokens.v, tokens.d, tokens.beta)))
+    if tokens.parents is not None:
+        u, o = stock_tree(state_n, operands, tokens.parents)
+        return state_n, u, o
     _, (u, o) = jax.lax.scan(stock_step, state_n, operands)
     return state_n, jnp.moveaxis(u, 0, 2), jnp.moveaxis(o, 0, 2)
+
+
+def stock_tree(state, operands, parents):
+    """The stock step of each node of a tree from its parent's state (node 0's from
+    `state`), the plain way: every node's state kept. operands: per_token's (q, k, v, d,
+    beta); parents: [B, T] (`tree.node_parents`). Returns (u, o) [B, H, T, K]."""
+    states, us, os = [], [], []
+    for t, token in enumerate(zip(*operands)):
+        before = state
+        if t:  # node t >= 1's parent is a node before it
+            at = parents[:, t, None, None, None, None]
+            before = jnp.take_along_axis(jnp.stack(states, axis=2), at, axis=2)[:, :, 0]
+        S, (u, o) = stock_step(before, token)
+        states.append(S)
+        us.append(u)
+        os.append(o)
+    return jnp.stack(us, axis=2), jnp.stack(os, axis=2)
 
 
 def stock_verify(params: KdaParams, cache: KdaCache, inputs: VerifyInputs,

@@ -91,7 +91,8 @@ class ModelConfig:
     """Sizes of the toy model (static under jit).
 
     vocab: tokens in the vocabulary. dim: the residual width D. layers: KDA blocks.
-    heads: H heads of K = 128 per KDA layer. tokens: T, tokens per verify (2..8).
+    heads: H heads of K = 128 per KDA layer. tokens: T, tokens per verify (2..16).
+    tree: draft a token tree (`draft_tree`) instead of a chain.
     residual_gain: scale of each block's output projections, i.e. how far the layers
     move the logits away from the bigram draft's (and so how often drafts are rejected).
     tp_axis: None on one device; inside `jax.shard_map`, the mesh axis whose devices
@@ -106,10 +107,11 @@ class ModelConfig:
     tokens: int = 4
     residual_gain: float = 0.25
     tp_axis: str | None = None
+    tree: bool = False
 
     @property
     def kda(self) -> KdaConfig:
-        return KdaConfig(heads=self.heads, tokens=self.tokens)
+        return KdaConfig(heads=self.heads, tokens=self.tokens, trees=self.tree)
 
 
 class Block(NamedTuple):
@@ -284,31 +286,84 @@ def draft_next(model: Model, tokens):
     return greedy(logits_of(model, model.embed[tokens]))[0]
 
 
+def draft_tree(tokens: int):
+    """(parents, rank) of the tree drafter's T nodes: the bigram's top-1 chain from the
+    last token, and beside each of its first T // 4 levels the bigram's top-2 token (a
+    sibling of the chain's node there). parents as `VerifyInputs.parents` takes them;
+    rank: the place of each node's token among its parent's top continuations."""
+    branches = tokens // 4
+    depth = tokens - branches  # the chain's nodes, the last token among them
+    return ((-1,) + tuple(range(depth - 1)) + tuple(range(branches)),
+            (0,) * depth + (1,) * branches)
+
+
+def draft(model: Model, last, config: ModelConfig):
+    """[B, T]: the last token, then the drafts: a chain of the bigram's top-1 after each,
+    or the tree of `draft_tree`."""
+    drafts = [last]
+    if not config.tree:
+        for _ in range(config.tokens - 1):
+            drafts.append(draft_next(model, drafts[-1]))
+        return jnp.stack(drafts, axis=1)
+    parents, rank = draft_tree(config.tokens)
+    for t in range(1, config.tokens):
+        _, choices = jax.lax.top_k(logits_of(model, model.embed[drafts[parents[t]]]), 2)
+        drafts.append(choices[..., rank[t]].astype(jnp.int32))
+    return jnp.stack(drafts, axis=1)
+
+
+def longest_path(parents, tokens, target):
+    """Greedy acceptance in a tree: (path [B, T], accepted [B]): from node 0, each next
+    node the child whose token is the target's argmax after its parent, while there is
+    one (siblings hold distinct tokens, so at most one is). parents: [T]; tokens,
+    target: [B, T]."""
+    parents = jnp.asarray(parents, jnp.int32)
+    chosen = tokens == jnp.take(target, jnp.maximum(parents, 0), axis=1)
+    node = jnp.zeros(tokens.shape[0], jnp.int32)
+    path, going, accepted = [node], jnp.ones_like(node, bool), jnp.ones_like(node)
+    for _ in range(tokens.shape[1] - 1):
+        child = (parents[None, :] == node[:, None]) & chosen
+        going = going & child.any(axis=1)
+        node = jnp.where(going, jnp.argmax(child, axis=1), node).astype(jnp.int32)
+        accepted = accepted + going
+        path.append(node)
+    return jnp.stack(path, axis=1), accepted
+
+
 def decode_step(model: Model, cache, last, slots, record_rows, *, config: ModelConfig,
                 backend: str):
     """One speculative step for the batch. last: [B] each request's newest token, not yet
     seen by the target; slots, record_rows: [B] (padding rows: slot 0, record row -1).
 
     Returns (cache, target [B, T], accepted [B], top [B, T]): target[b, :accepted[b]]
-    are request b's new tokens, top the top-1 logits of those decisions.
+    are request b's new tokens (along the accepted path, with a tree), top the top-1
+    logits of those decisions.
     """
-    drafts = [last]
-    for _ in range(config.tokens - 1):
-        drafts.append(draft_next(model, drafts[-1]))
-    tokens = jnp.stack(drafts, axis=1)  # [B, T]: last token, then T-1 drafts
+    tokens = draft(model, last, config)  # [B, T]
+    parents = None
+    if config.tree:
+        parents = jnp.broadcast_to(jnp.asarray(draft_tree(config.tokens)[0], jnp.int32),
+                                   tokens.shape)
 
     def verify(params, cache, x, f_a, beta, gate, layer):
-        inputs = VerifyInputs(x, f_a, beta, gate, slots, record_rows)
+        inputs = VerifyInputs(x, f_a, beta, gate, slots, record_rows, parents)
         return jax_kda.fused_verify(params, cache, inputs, config.kda, backend=backend,
                                     layer=layer)
 
     h, cache = forward(model, config, cache, tokens, verify, DECODE_UNROLL)
     target, top, _ = greedy(logits_of(model, h))
-    # Draft i + 1 stands if the target's argmax after token i equals it, and so did all before.
-    agree = jnp.cumprod(tokens[:, 1:] == target[:, :-1], axis=1)
-    accepted = 1 + jnp.sum(agree, axis=1, dtype=jnp.int32)
+    path = None
+    if config.tree:
+        path, accepted = longest_path(draft_tree(config.tokens)[0], tokens, target)
+        target = jnp.take_along_axis(target, path, axis=1)
+        top = jnp.take_along_axis(top, path, axis=1)
+    else:
+        # Draft i + 1 stands if the target's argmax after token i equals it, and so did
+        # all before.
+        agree = jnp.cumprod(tokens[:, 1:] == target[:, :-1], axis=1)
+        accepted = 1 + jnp.sum(agree, axis=1, dtype=jnp.int32)
     accept = functools.partial(jax_kda.accept, record_rows=record_rows, accepted=accepted,
-                               config=config.kda)
+                               config=config.kda, path=path)
     cache = accept(cache) if isinstance(cache, KdaCache) else [accept(c) for c in cache]
     return cache, target, accepted, top
 
@@ -568,7 +623,11 @@ def parse_args(argv=None):
     parser.add_argument("--dim", type=int, default=256, help="residual width")
     parser.add_argument("--vocab", type=int, default=512, help="vocabulary size")
     parser.add_argument("--tokens", type=int, default=4,
-                        help="T, tokens per verify: the last token and T-1 drafts (2..8)")
+                        help="T, tokens per verify: the last token and T-1 drafts (2..16)")
+    parser.add_argument("--draft", choices=("chain", "tree", "both"), default="chain",
+                        help="the drafts: a chain of the bigram's top-1, a tree with its "
+                             "top-2 beside the chain's first T // 4 levels, or both in "
+                             "turn on the same prompts")
     parser.add_argument("--batch", type=int, default=4, help="requests decoded together")
     parser.add_argument("--requests", type=int, default=10, help="requests in all")
     parser.add_argument("--new-tokens", type=int, default=32, help="tokens per request")
@@ -594,8 +653,10 @@ def parse_args(argv=None):
             parser.error(f"--{name.replace('_', '-')}: expected >= 1, got {value}")
     if args.vocab < 2:
         parser.error(f"--vocab: expected >= 2, got {args.vocab}")
-    if not 2 <= args.tokens <= 8:
-        parser.error(f"--tokens: expected 2..8, got {args.tokens}")
+    if not 2 <= args.tokens <= 16:
+        parser.error(f"--tokens: expected 2..16, got {args.tokens}")
+    if args.draft != "chain" and args.tokens < 4:
+        parser.error(f"--draft {args.draft}: a tree needs --tokens >= 4, got {args.tokens}")
     if args.tp > 1:
         if args.heads % args.tp or 2 * args.dim % args.tp:
             parser.error(f"--tp: expected a divisor of --heads ({args.heads}) and of the MLP "
@@ -614,8 +675,11 @@ def parse_args(argv=None):
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    config = ModelConfig(vocab=args.vocab, dim=args.dim, layers=args.layers,
-                         heads=args.heads, tokens=args.tokens)
+    drafts = ("chain", "tree") if args.draft == "both" else (args.draft,)
+    configs = {name: ModelConfig(vocab=args.vocab, dim=args.dim, layers=args.layers,
+                                 heads=args.heads, tokens=args.tokens, tree=name == "tree")
+               for name in drafts}
+    config = configs[drafts[0]]
     resolved = args.backend
     if resolved == "auto":
         resolved = "cutedsl" if jax_kda.cutedsl_supported() else "jax"
@@ -623,14 +687,32 @@ def main(argv=None) -> int:
             "stacked, under lax.scan over layers")
     print(f"target: {config.layers} KDA layers of {config.heads} heads x {K}, dim "
           f"{config.dim}, vocab {config.vocab}, {form}; draft: the target's bigram (no layers)")
-    print(f"decode: T={config.tokens} (1 + {config.tokens - 1} drafts), batch {args.batch}, "
-          f"{args.requests} requests of {args.new_tokens} new tokens, prompts of 1.."
-          f"{args.max_prompt}; fused_verify backend {resolved} ({args.backend}) on "
-          f"{args.tp} x {jax.devices()[0].device_kind}")
-
+    print(f"decode: T={config.tokens}, batch {args.batch}, {args.requests} requests of "
+          f"{args.new_tokens} new tokens, prompts of 1..{args.max_prompt}; fused_verify "
+          f"backend {resolved} ({args.backend}) on {args.tp} x {jax.devices()[0].device_kind}")
     model = init_model(args.seed, config)
     prompts = random_prompts(args.seed, args.requests, args.max_prompt, config.vocab)
+    status, means = 0, {}
+    for name in drafts:
+        if name == "tree":
+            parents, branches = draft_tree(args.tokens)[0], args.tokens // 4
+            print(f"draft tree: parents {list(parents)} (a chain of "
+                  f"{args.tokens - branches} with the top-2 token beside its first "
+                  f"{branches} levels)")
+        else:
+            print(f"draft chain: the last token and {args.tokens - 1} drafts")
+        result, means[name] = decode_and_check(args, configs[name], model, prompts)
+        status = max(status, result)
+    if len(means) > 1:
+        print("mean accepted tokens per request per step: " + ", ".join(
+            f"{name} {mean:.2f}" for name, mean in means.items()) + f" (T={args.tokens})")
+    return status
 
+
+def decode_and_check(args, config: ModelConfig, model: Model, prompts):
+    """Decodes every prompt with `config`'s drafts, reports, and checks the tokens
+    against plain greedy decoding. Returns (exit status, mean accepted tokens per
+    request per step)."""
     def progress(run):
         made = sum(map(len, run.tokens))
         done = sum(len(tokens) == args.new_tokens for tokens in run.tokens)
@@ -677,7 +759,7 @@ def main(argv=None) -> int:
         print(f"decode step GPU time: not available on {jax.default_backend()} (it comes "
               f"from JAX's profiler trace of a GPU)")
     if args.no_check:
-        return 0
+        return 0, run.accepted / max(run.row_steps, 1)
     tick = time.perf_counter()
     verdict = check(model, config, prompts, run)
     took = time.perf_counter() - tick
@@ -690,7 +772,7 @@ def main(argv=None) -> int:
     if wrong:
         print(f"check: FAILED, {wrong} of {made} tokens are not plain greedy decoding's "
               f"choice with the stock per-token recurrence ({took:.1f} s)")
-        return 1
+        return 1, run.accepted / max(run.row_steps, 1)
     if len(off):
         print(f"check: OK up to ties, {made - len(off)} of {made} tokens are plain greedy "
               f"decoding's choice with the stock per-token recurrence after the same prefix; "
@@ -705,7 +787,7 @@ def main(argv=None) -> int:
     print(f"margins: smallest top-1/top-2 logit margin {verdict.margin[tight]:.1e} (the two "
           f"runs' top logits differ there by {verdict.drift[tight]:.1e}); largest difference "
           f"{verdict.drift[loose]:.1e} (margin there {verdict.margin[loose]:.1e})")
-    return 0
+    return 0, run.accepted / max(run.row_steps, 1)
 
 
 if __name__ == "__main__":

@@ -211,10 +211,12 @@ def test_jit_of_sharded_arrays_equals_each_shard_unsharded(draw, mode, layers):
     local = shard(args, 0, specs_of(args))
     unsharded = jax.jit(functools.partial(session, config=local_config(CONFIG, SHARDS)),
                         donate_argnums=1).lower(*local).compile().as_text()
-    for index, field in enumerate(dataclasses.fields(KdaCache)):
-        buffer = getattr(local[1], field.name)
-        assert aliased(text, buffer, len(outs) + index), f"cache.{field.name} not aliased"
-        assert whole_copies(text, buffer) == whole_copies(unsharded, buffer), field.name
+    present = [f.name for f in dataclasses.fields(KdaCache)
+               if getattr(local[1], f.name) is not None]
+    for index, name in enumerate(present):
+        buffer = getattr(local[1], name)
+        assert aliased(text, buffer, len(outs) + index), f"cache.{name} not aliased"
+        assert whole_copies(text, buffer) == whole_copies(unsharded, buffer), name
 
 
 def exported_for_cuda(step, *args):
@@ -277,7 +279,7 @@ def test_kernel_step_under_shard_map_exports_one_call_per_device(draw):
     H = config.heads // DEVICES
     assert f"tensor<{LAYERS}x{NUM_SLOTS}x{H}x128x128xf32>" in call, "not the local heads"
     main = re.search(r"func\.func public @main\((.*?)\) ->", text, re.S).group(1)
-    assert main.count("tf.aliasing_output") == len(dataclasses.fields(KdaCache))
+    assert main.count("tf.aliasing_output") == len(jax.tree.leaves(args[1]))  # the cache's
 
 
 @on_devices

@@ -1,0 +1,101 @@
+"""The token-tree section of the benchmark: one verify of a KDA layer (H = 32) on a tree of
+T nodes against a chain of T tokens, at T = 8 and 16 and B = 1, 16, 64, jitted with the
+cache donated, `backend="auto"` (the kernel where it takes the step: chains of T <= 8;
+trees and longer chains run in XLA) and the chain in XLA too (`backend="jax"`), so that
+a tree's cost over a chain shows on the same path.
+
+Correctness first: at each T, the tree's outputs in XLA against the stock reference on
+the same tree (the largest error, in bf16 units of the row's scale).
+
+Each row: form (chain, chain-xla, tree), B, T, us (the GPU's time of a call: the span of
+its activities in JAX's profiler trace, median), backend, or error. Alone:
+
+    python benchmarks/trees.py --json trees.json [--points 1x8,16x8,...]
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import measure  # benchmarks/, on sys.path as the script's folder
+from jax_kda import KdaConfig, fused_verify
+from jax_kda.profiling import traced_steps
+from jax_kda.ref import stock_verify
+from jax_kda.testing import random_cache, random_inputs, random_params, random_parents
+
+POINTS = ((1, 8), (16, 8), (64, 8), (1, 16), (16, 16), (64, 16))
+CALLS = 20
+FORMS = {"chain": ("auto", False), "chain-xla": ("jax", False), "tree": ("auto", True)}
+
+
+def operands(B: int, T: int, tree: bool, seed: int = 0):
+    """(config, params, cache, inputs) of B requests at slots 1..B, trees random."""
+    config = KdaConfig(heads=measure.KIMI_HEADS, tokens=T, trees=tree)
+    key = jax.random.key(seed)
+    slots = jnp.arange(1, B + 1, dtype=jnp.int32)
+    inputs = random_inputs(jax.random.fold_in(key, 2), config, slots, slots - 1)
+    if tree:
+        inputs = dataclasses.replace(
+            inputs, parents=random_parents(np.random.default_rng(seed), B, T))
+    return (config, random_params(key, config),
+            random_cache(jax.random.fold_in(key, 1), config, B + 1, B), inputs)
+
+
+def check(T: int) -> float:
+    """The XLA tree verify against the stock reference on one tree batch: the largest
+    |out - stock| over the row's mean |stock|, in bf16 units (2^-8)."""
+    config, params, cache, inputs = operands(4, T, True, seed=T)
+    out, _ = fused_verify(params, cache, inputs, config, backend="jax")
+    ref, _ = jax.jit(stock_verify, static_argnames="config")(params, cache, inputs, config)
+    out, ref = np.asarray(out, np.float64), np.asarray(ref, np.float64)
+    scale = np.mean(np.abs(ref), axis=-1, keepdims=True) + 1e-30
+    return float(np.max(np.abs(out - ref) / scale) / 2**-8)
+
+
+def timed(form: str, B: int, T: int) -> dict:
+    backend, tree = FORMS[form]
+    config, params, cache, inputs = operands(B, T, tree)
+    step = jax.jit(functools.partial(fused_verify, config=config, backend=backend),
+                   donate_argnums=1)
+    state = {"cache": cache}
+
+    def call():
+        _, state["cache"] = step(params, state["cache"], inputs)
+        return state["cache"]
+
+    jax.block_until_ready(call())
+    traced = traced_steps(lambda: jax.block_until_ready([call() for _ in range(CALLS)][-1]),
+                          CALLS)
+    return dict(us=traced.get("step_us"), kernels=traced.get("kernels"))
+
+
+def run(args) -> list:
+    rows = []
+    for T in sorted({T for _, T in args.points}):
+        measure.emit(rows, dict(form="check", T=T, tree_vs_stock_bf16_units=check(T)),
+                     args.json)
+    for B, T in args.points:
+        for form in FORMS:
+            try:
+                row = timed(form, B, T)
+            except Exception as error:  # a point that cannot run says why and the rest go on
+                row = dict(error=f"{type(error).__name__}: {error}"[:300])
+            measure.emit(rows, dict(form=form, B=B, T=T, backend=FORMS[form][0], **row),
+                         args.json)
+    return rows
+
+
+def parse(argv):
+    parser = measure.section_parser(__doc__)
+    parser.add_argument("--points", type=measure.points, default=list(POINTS),
+                        help="BxT points (default 1x8,16x8,64x8,1x16,16x16,64x16)")
+    return parser.parse_args(argv)
+
+
+if __name__ == "__main__":
+    run(parse(sys.argv[1:]))

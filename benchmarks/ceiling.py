@@ -17,15 +17,16 @@ import sys
 
 import torch
 
-from jax_kda import operands
-from jax_kda.kernels import compile_verify, verify_kernel  # imports CuTe DSL first
+from jax_kda import kernel_abi
+from jax_kda.kernels import compile_verify  # imports CuTe DSL first
 import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int64
 from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream
-from jax_kda.kernels.fused import THREADS, row_major
-from jax_kda.kernels.primitives import aligned, bulk_copy, load_vec, wide
+from jax_kda.kernels.fused import THREADS
+from jax_kda.kernels.fused_layout import FusedLayout
+from jax_kda.kernels.primitives import aligned, bulk_copy, load_vec, row_major, wide
 import measure  # benchmarks/, on sys.path as the script's folder
 from timeline import Point
 
@@ -88,7 +89,7 @@ def main():
     args = parser.parse_args()
     bandwidth = measure.copy_bandwidth(torch)["tbps"] * 1e12
     print(f"{torch.cuda.get_device_name(0)}; copy {bandwidth / 1e12:.3f} TB/s", flush=True)
-    picked = [operands.NAMES.index("slots"), operands.NAMES.index("state")]
+    picked = [kernel_abi.NAMES.index("slots"), kernel_abi.NAMES.index("state")]
     rows = []
     for text in args.points:
         B, T, split = (int(v) for v in text.split(","))
@@ -97,7 +98,7 @@ def main():
                                                     "float32", solo=point.solo))
         floor_us = 2 * B * point.config.heads * 128 * 128 * 4 / bandwidth * 1e6
         row = dict(B=B, T=T, split=split, verify_us=verify_us, state_floor_us=floor_us)
-        verify_shared = verify_kernel(point.config, split, True).shared_bytes()
+        verify_shared = FusedLayout(point.config, split).shared_bytes()
         for resident in (2, 3):
             shared = verify_shared if resident == 2 else SHARED_PER_SM // 3 - 1024
             kernel = StateOnly(point.config.heads, split, resident, shared)

@@ -13,7 +13,7 @@ holding N kept tokens, as in `timeline.py`.
 
 A build must have this checkout's interface: `FusedVerify(config, split, has_bias, *,
 timeline, solo, stacked)` with the `config`, `has_bias`, `stacked` and `timeline`
-attributes, launched as (stream, *operands) in `jax_kda.operands` order (a [1] int32
+attributes, launched as (stream, *operands) in `jax_kda.kernel_abi` order (a [1] int32
 `layer` slot, None here, and per-head pending [R, H]). Builds older than that interface
 (a constructor of separate sizes and scalars, no layer operand) need their own
 checkout's `jax_kda` package.
@@ -34,7 +34,7 @@ import sys
 
 import torch
 
-from jax_kda.kernels import compile_kernel, verify_kernel
+from jax_kda.kernels import FusedVerify, compiled
 from jax_kda.kernels.fused import STAMPS
 from timeline import Point, cute_tensors, summarize
 
@@ -70,8 +70,8 @@ def builds(config, others, solo, timeline=False):
     split = config.split
     kernels = [(name, cls(config, split, True, timeline=timeline, solo=solo))
                for name, cls in others]
-    kernels.append(("this", verify_kernel(config, split, True, timeline, solo)))
-    return {name: compile_kernel(kernel, "float32", "float32") for name, kernel in kernels}
+    kernels.append(("this", FusedVerify(config, split, True, timeline=timeline, solo=solo)))
+    return {name: compiled(kernel) for name, kernel in kernels}
 
 
 def gemm(shape):

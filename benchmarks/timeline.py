@@ -26,7 +26,7 @@ import numpy as np
 import torch
 
 import measure  # benchmarks/, on sys.path as the script's folder
-from jax_kda import KdaConfig, operands
+from jax_kda import KdaConfig, kernel_abi
 from jax_kda.ffi import solo_ctas
 from jax_kda.kernels import compile_verify
 from jax_kda.kernels.fused import STAMPS, Phase
@@ -53,7 +53,7 @@ class Point:
     lazy checkpoint): one cache set per launch of a graph (at least LAUNCHES, and enough
     that the state comes from HBM), each cloned with its own copy of the weights, every
     request with a record row and a slot of its own. `named[i]`: set i's arrays by
-    operand name; `sets[i]`: its CuTe DSL operands in `jax_kda.operands` order."""
+    operand name; `sets[i]`: its CuTe DSL operands in `jax_kda.kernel_abi` order."""
 
     def __init__(self, B, T, split, checkpoint_every=1):
         import cuda.bindings.driver as cuda
@@ -77,7 +77,7 @@ class Point:
         self.handle = cuda.CUstream(self.stream.cuda_stream)
         weights = [params] + [jax.tree.map(torch.clone, params)
                               for _ in range(self.nsets - 1)]
-        self.named = [dict(zip(operands.NAMES, operands.values(w, c, inputs, None, self.out)))
+        self.named = [dict(zip(kernel_abi.NAMES, kernel_abi.values(w, c, inputs, None, self.out)))
                       for w, c in zip(weights, self.caches)]
         self.sets = [cute_tensors(list(n.values())) for n in self.named]
 

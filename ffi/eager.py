@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from jax_kda import operands
+from jax_kda import kernel_abi
 from jax_kda.config import KdaConfig
 from jax_kda.ffi.launch import kernel_split, solo_ctas
 from jax_kda.pytrees import KdaCache, KdaParams, VerifyInputs
@@ -53,21 +53,21 @@ def eager_verify(params: KdaParams, cache: KdaCache, inputs: VerifyInputs, out,
     from jax_kda.kernels import compile_verify
 
     handle = _stream_handle(stream)
-    arrays = operands.values(params, cache, inputs, layer, out)
-    named = dict(zip(operands.NAMES, arrays))
+    arrays = kernel_abi.values(params, cache, inputs, layer, out)
+    named = dict(zip(kernel_abi.NAMES, arrays))
     stacked = layer is not None
     lead = 1 if stacked else 0
     B, S, R = (len(named["slots"]), named["state"].shape[lead],
                named["pending"].shape[lead])
-    sizes = operands.sizes_of(config, B, S, R, named["state"].shape[0] if stacked else None)
+    sizes = kernel_abi.sizes_of(config, B, S, R, named["state"].shape[0] if stacked else None)
     own = {name: _dtype_name(named[name]) for name in ("conv_weight", "norm_weight")}
     for name, dtype in own.items():
         if dtype not in ("float32", "bfloat16"):
             raise ValueError(f"{name}: expected float32 or bfloat16, got {dtype}")
-    for op, array in zip(operands.OPERANDS, arrays):
+    for op, array in zip(kernel_abi.OPERANDS, arrays):
         if array is None and op.optional:
             continue
-        shape, dtype = operands.shape(op, sizes, stacked), operands.dtype(op, own)
+        shape, dtype = kernel_abi.shape(op, sizes, stacked), kernel_abi.dtype(op, own)
         if tuple(array.shape) != shape or _dtype_name(array) != dtype:
             raise ValueError(f"{op.name}: expected {list(shape)} {dtype}, "
                              f"got {list(array.shape)} {_dtype_name(array)}")

@@ -37,9 +37,10 @@ def solo_ctas(config: KdaConfig, batch: int, split: int, sms: int | None = None)
 
 def kernel_split(config: KdaConfig, batch: int, sms: int | None = None) -> int:
     """The split the kernel runs `config` with at `batch` requests: config.split, or
-    `choose_split`'s raised to the smallest whose CTA fits the shared memory (long
-    records need more). Raises ValueError, naming the need, where none fits."""
-    from jax_kda.kernels import verify_kernel
+    `choose_split`'s raised to the smallest whose CTA fits the shared memory
+    (`FusedLayout.shared_bytes`: long records need more). Raises ValueError, naming the
+    need, where none fits."""
+    from jax_kda.kernels.fused_layout import FusedLayout
 
     if config.split is None and not isinstance(batch, int):
         raise ValueError(f"config.split: a symbolic batch size ({batch}) needs an explicit "
@@ -50,7 +51,7 @@ def kernel_split(config: KdaConfig, batch: int, sms: int | None = None) -> int:
     else:
         candidates = [config.split]
     for split in candidates:
-        need = verify_kernel(config, split, has_bias=True).shared_bytes()
+        need = FusedLayout(config, split).shared_bytes()
         if need <= CTA_SHARED_LIMIT:
             return split
     raise ValueError(

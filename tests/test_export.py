@@ -17,8 +17,8 @@ from jax import export  # noqa: E402
 
 from compare import assert_same_bits  # noqa: E402
 from jax_kda import KdaConfig, PrefillInputs, fused_verify, prefill  # noqa: E402
-from jax_kda.ffi import call, chunks  # noqa: E402
 from jax_kda.backends import cutedsl_supported, kernel_available  # noqa: E402
+from jax_kda.ffi import lowering  # noqa: E402
 
 pytestmark = pytest.mark.kernels
 
@@ -77,8 +77,7 @@ def refuse_kernels(monkeypatch):
     def refuse(*args, **kwargs):
         raise AssertionError("a kernel was lowered")
 
-    for module in (call, chunks):
-        monkeypatch.setattr(module, "launch_compiled", refuse)
+    monkeypatch.setattr(lowering, "launch", refuse)
 
 
 @pytest.mark.parametrize("name", list(STEPS))

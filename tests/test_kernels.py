@@ -3,8 +3,9 @@ CUDA with jax.export (CuTe DSL compiles the kernel for sm_90a during lowering) a
 the cache buffers in place, compiles once per kernel configuration whatever the batch,
 cache and layer counts (symbolic B too), and raises a clear error where it cannot run;
 the operand table is the kernel's and the docs'; configurations compile without spills;
-the launch heuristics; the eager entry point's argument errors; the prefill's chunk kernel
-lowered for CUDA, once for every prompt shape.
+the compile cache is keyed by value; the launch heuristics; the eager entry point's
+argument errors; the prefill's chunk kernel lowered for CUDA, once for every prompt
+shape.
 """
 import dataclasses
 import functools
@@ -21,7 +22,7 @@ pytest.importorskip("cutlass", reason="needs nvidia-cutlass-dsl")
 
 from jax import export  # noqa: E402
 
-from jax_kda import KdaConfig, PrefillInputs, fused_verify, operands, prefill  # noqa: E402
+from jax_kda import KdaConfig, PrefillInputs, fused_verify, kernel_abi, prefill  # noqa: E402
 from jax_kda.ffi import choose_split, eager_verify, kernel_split, solo_ctas  # noqa: E402
 from jax_kda.testing import random_cache, random_inputs, random_params  # noqa: E402
 
@@ -162,14 +163,14 @@ def test_vmap_of_the_kernel_path_folds_into_the_batch():
 
 
 def test_operand_table_is_the_kernels_and_the_docs():
-    """The kernel's __call__ takes the table's operands (its fakes compile, in order, in
-    `compile_kernel`); docs/design.md holds the table as `operands.table()` writes it;
-    every cache field is a read-write operand aliased to an output."""
-    assert operands.table() in DESIGN.read_text()
-    assert [op.name for op in operands.OPERANDS if op.tree == "cache"] == list(CACHE)
-    assert all(op.access == operands.READ_WRITE for op in operands.OPERANDS
+    """The kernel's __call__ takes the table's operands (its signature's fakes compile, in
+    order, in `compiled`); docs/design.md holds the table as `kernel_abi.table()` writes
+    it; every cache field is a read-write operand aliased to an output."""
+    assert kernel_abi.table() in DESIGN.read_text()
+    assert [op.name for op in kernel_abi.OPERANDS if op.tree == "cache"] == list(CACHE)
+    assert all(op.access == kernel_abi.READ_WRITE for op in kernel_abi.OPERANDS
                if op.tree == "cache")
-    assert sorted(operands.ALIASES.values()) == [1, 2, 3, 4, 5]
+    assert sorted(kernel_abi.ALIASES.values()) == [1, 2, 3, 4, 5]
 
 
 def test_compiles_without_spills():
@@ -236,6 +237,21 @@ def test_chunk_kernel_compiles_once_for_every_prompt():
     assert len(found) == 6 and found[:3] == found[3:]
 
 
+def test_one_compile_per_kernel_key():
+    """The compile cache is keyed by a kernel's compile-time values, not its identity:
+    equal kernel objects share one binary, for the eager path and the custom call
+    alike, and another value compiles its own."""
+    from jax_kda.ffi import lowering
+    from jax_kda.kernels import ChunkStates, compiled
+
+    assert ChunkStates(32) == ChunkStates(32) and hash(ChunkStates(32)) == hash(ChunkStates(32))
+    assert ChunkStates(32) != ChunkStates(16)
+    for binding in ({}, {"binding": lowering.for_xla}):
+        first = compiled(ChunkStates(32), **binding)
+        assert compiled(ChunkStates(32), **binding) is first
+        assert compiled(ChunkStates(16), **binding) is not first
+
+
 def test_timeline_build_compiles():
     """The diagnostic build (phase stamps into one more operand) compiles for sm_90a."""
     from jax_kda.kernels import compile_verify
@@ -266,10 +282,10 @@ def test_solo_build_takes_an_sm():
     """The solo build asks for more than half an SM's shared memory (no second CTA
     fits), the default build for its own need only (two fit)."""
     from jax_kda.config import SM_SHARED, SOLO_SHARED
-    from jax_kda.kernels import verify_kernel
+    from jax_kda.kernels.fused_layout import FusedLayout
 
-    kernel = verify_kernel(KdaConfig(heads=32, tokens=4), 1, True)
-    assert 2 * (kernel.shared_bytes() + 1024) <= SM_SHARED < 2 * (SOLO_SHARED + 1024)
+    layout = FusedLayout(KdaConfig(heads=32, tokens=4), 1)
+    assert 2 * (layout.shared_bytes() + 1024) <= SM_SHARED < 2 * (SOLO_SHARED + 1024)
 
 
 def test_kernel_split_fits_the_shared_memory():

@@ -69,54 +69,51 @@ def configurations(subset, only=()):
 
 def compile_one(arch, heads, c):
     """One row of the table: (configuration, regs, local bytes, smem, seconds, status)."""
-    os.environ["CUTE_DSL_ARCH"] = arch  # before cutlass is imported
     from jax_kda.config import KdaConfig
-    from jax_kda.kernels import compile_verify
+    from jax_kda.kernels import FusedVerify
 
     config = KdaConfig(heads=heads, tokens=c["tokens"], gate_mode=c["gate_mode"],
                        checkpoint_every=c["checkpoint_every"])
-    return (c, *measured(lambda: compile_verify(
-        config, c["split"], c["has_bias"], c["conv_dtype"], c["norm_dtype"],
-        options="remarks{ptx}", stacked=c["stacked"])))
+    return (c, *measured(arch, lambda: FusedVerify(
+        config, c["split"], c["has_bias"], conv_dtype=c["conv_dtype"],
+        norm_dtype=c["norm_dtype"], stacked=c["stacked"])))
 
 
 def compile_chunk_kernel(arch, chunk):
     """The chunk kernel's row: (chunk, regs, local bytes, smem, seconds, status)."""
-    os.environ["CUTE_DSL_ARCH"] = arch
-    from jax_kda.kernels import compile_chunk_states
+    from jax_kda.kernels import ChunkStates
 
-    return (chunk, *measured(lambda: compile_chunk_states(chunk, options="remarks{ptx}")))
+    return (chunk, *measured(arch, lambda: ChunkStates(chunk)))
 
 
 def compile_operands_kernel(arch):
     """The operands kernel's row at the default lower_bound and scale."""
-    os.environ["CUTE_DSL_ARCH"] = arch
     from jax_kda.config import KdaConfig
-    from jax_kda.kernels import compile_chunk_operands
+    from jax_kda.kernels import ChunkOperands
 
     config = KdaConfig(heads=1, tokens=2)  # the defaults of lower_bound and scale
-    return measured(lambda: compile_chunk_operands(config.lower_bound, config.query_scale,
-                                                   options="remarks{ptx}"))
+    return measured(arch, lambda: ChunkOperands(config.lower_bound, config.query_scale))
 
 
 def compile_conv_kernel(arch):
     """The prompt convolution kernel's row."""
-    os.environ["CUTE_DSL_ARCH"] = arch
-    from jax_kda.kernels import compile_prompt_conv
+    from jax_kda.kernels import PromptConvolution
 
-    return measured(lambda: compile_prompt_conv(options="remarks{ptx}"))
+    return measured(arch, PromptConvolution)
 
 
-def measured(compile):
-    """(regs, local bytes, smem, seconds, status) of compile(), a compile with ptxas'
-    report on."""
+def measured(arch, kernel):
+    """(regs, local bytes, smem, seconds, status) of compiling kernel() for `arch` with
+    ptxas' report on."""
+    from jax_kda.kernels import compiled
+
     report = io.StringIO()
     start = time.perf_counter()
     try:
         with contextlib.redirect_stderr(report):
-            compiled = compile()
+            binary = compiled(kernel(), "remarks{ptx}", arch)
         regs, local = ptxas_usage(report.getvalue())
-        smem = launch_smem_bytes(compiled)
+        smem = launch_smem_bytes(binary)
         status = "ok" if local == 0 else "SPILLS" if local else "NO REPORT"
     except Exception as error:  # noqa: BLE001 - the DSL raises its own classes
         regs = local = smem = None

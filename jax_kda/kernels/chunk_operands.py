@@ -22,16 +22,19 @@ half of the chunk). Pairs: a thread per 4 x 4 tile of A or Bm on or below the di
 """
 from __future__ import annotations
 
+import functools
+
 import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
-from cutlass import BFloat16, Float32, Int32
+from cutlass import Float32, Int32
 
 from jax_kda.config import K, NORM_EPS
 from jax_kda.prompt_chunks import CHUNK, SUBCHUNK as SUB, subchunk
-from jax_kda.kernels.primitives import (FAST_HIGH, FAST_LOW, aligned, all_of, cp_async_16,
-                                        decays, exp, load_if, load_vec, quotients,
-                                        row_major, sigmoids, store_f32, store_vec,
+from jax_kda.kernels.compile import Kernel, Signature
+from jax_kda.kernels.primitives import (FAST_HIGH, FAST_LOW, aligned, all_of, allocate,
+                                        cp_async_16, decays, exp, load_if, load_vec,
+                                        quotients, sigmoids, stage_rows, store_f32, store_vec,
                                         warp_totals, wide)
 
 MID = SUB // 2 - 1  # a sub-chunk's reference token
@@ -46,10 +49,12 @@ PAIRS = SUBS * (SUBS - 1) // 2  # sub-chunk pairs i > j; factor row PAIRS is all
 STAGED = ("q", "k", "v", "g")  # the staged bf16 rows: q, k, v after the conv, raw gates
 
 
-class ChunkOperands:
+class ChunkOperands(Kernel):
     """The kernel at a config's lower_bound (one whose sub-chunks are of SUB tokens:
     `prompt_chunks.subchunk`) and query scale; `__call__` launches it on a stream with
-    the inputs, then the outputs, of `shapes`."""
+    the inputs, then the outputs, of `signature`."""
+
+    dims = ("B", "P", "H", "N")
 
     def __init__(self, lower_bound: float, scale: float):
         if subchunk(lower_bound) != SUB:
@@ -57,19 +62,23 @@ class ChunkOperands:
                              f"{subchunk(lower_bound)} tokens; the kernel's are {SUB}")
         self.lower_bound, self.scale = float(lower_bound), float(scale)
 
+    def key(self):
+        return (self.lower_bound, self.scale)
+
     @staticmethod
-    def shapes(B, P, H, N):
+    def signature(B, P, H, N):
         """Inputs y [B, P, 3, H, K] bf16 (q, k, v after the convolution), raw_g
         [B, P, H, K] bf16, beta [B, P, H] bf16 logits, lengths [B] int32, a_log [H] f32,
         dt_bias [H, K] f32; outputs u_v, w_k, gq, tail [B, H, N, C, K], decay
-        [B, H, N, K], bm [B, H, N, C, C], all f32 (`ChunkStates.shapes`' inputs), for
-        N = ceil(P / C) chunks: as (shape, dtype name) pairs."""
+        [B, H, N, K], bm [B, H, N, C, C], all f32 (`ChunkStates.signature`'s inputs), for
+        N = ceil(P / C) chunks."""
         tokens = (B, H, N, CHUNK, K)
-        return ([((B, P, 3, H, K), "bfloat16"), ((B, P, H, K), "bfloat16"),
-                 ((B, P, H), "bfloat16"), ((B,), "int32"), ((H,), "float32"),
-                 ((H, K), "float32")],
-                [(tokens, "float32")] * 4 + [((B, H, N, K), "float32"),
-                                             ((B, H, N, CHUNK, CHUNK), "float32")])
+        return Signature(
+            (((B, P, 3, H, K), "bfloat16"), ((B, P, H, K), "bfloat16"),
+             ((B, P, H), "bfloat16"), ((B,), "int32"), ((H,), "float32"),
+             ((H, K), "float32")),
+            ((tokens, "float32"),) * 4 + (((B, H, N, K), "float32"),
+                                          ((B, H, N, CHUNK, CHUNK), "float32")))
 
     @staticmethod
     def buffers():
@@ -78,11 +87,11 @@ class ChunkOperands:
         (channel, token); rhs_w: beta Gamma k; n: diag(beta) A; factors: f_ij per
         channel (row PAIRS ones); stats: per sub-chunk and channel its total product,
         L_m and E_m."""
-        return {"staged": (BFloat16, (len(STAGED), CHUNK, K)),
-                "x": (Float32, (2, K, CHUNK + PAD)), "y": (Float32, (K, CHUNK + PAD)),
-                "rhs_w": (Float32, (CHUNK, K)), "n": (Float32, (CHUNK, CHUNK)),
-                "factors": (Float32, (PAIRS + 1, K)), "stats": (Float32, (3, SUBS, K)),
-                "roots": (Float32, (2, CHUNK)), "betas": (Float32, (CHUNK,))}
+        return {"staged": ("bfloat16", (len(STAGED), CHUNK, K)),
+                "x": ("float32", (2, K, CHUNK + PAD)), "y": ("float32", (K, CHUNK + PAD)),
+                "rhs_w": ("float32", (CHUNK, K)), "n": ("float32", (CHUNK, CHUNK)),
+                "factors": ("float32", (PAIRS + 1, K)), "stats": ("float32", (3, SUBS, K)),
+                "roots": ("float32", (2, CHUNK)), "betas": ("float32", (CHUNK,))}
 
     @cute.jit
     def __call__(self, stream: cuda.CUstream, y: cute.Tensor, raw_g: cute.Tensor,
@@ -103,7 +112,7 @@ class ChunkOperands:
         chunk, head, request = cute.arch.block_idx()
         heads = cute.arch.grid_dim()[1]
         item = (wide(request) * heads + head) * cute.arch.grid_dim()[0] + chunk
-        smem = self.shared_memory()
+        smem = allocate(cutlass.memory.SmemAllocator(), self.buffers())
         first = chunk * CHUNK
         self.stage(smem, y, raw_g, request, head, heads, first, prompt, tid)
         length = cutlass.max(cutlass.min(load_if(lengths, request, True), prompt), Int32(0))
@@ -121,31 +130,26 @@ class ChunkOperands:
         self.solve(smem, u_v, w_k, item, live, tid)
 
     @cute.jit
-    def shared_memory(self):
-        smem = cutlass.memory.SmemAllocator()
-        return {name: smem.allocate_tensor(dtype, row_major(*shape), byte_alignment=16)
-                for name, (dtype, shape) in self.buffers().items()}
-
-    @cute.jit
     def stage(self, smem, y, raw_g, request, head, heads, first, prompt, tid):
         """cp.async of the chunk's rows of q, k, v and the raw gates (tokens past the
         prompt read its last one: masked later), one commit group."""
-        per_row: cutlass.Constexpr = K // 8  # 16-byte pieces of a bf16 row
-        count: cutlass.Constexpr = CHUNK * per_row
-        staged = smem["staged"].iterator
         for a in cutlass.range_constexpr(len(STAGED)):
-            for i in cutlass.range_constexpr(-(-count // THREADS)):
-                index = tid + THREADS * i
-                if index < count:
-                    t, j = index // per_row, index % per_row
-                    token = wide(request) * prompt + cutlass.min(first + t, prompt - 1)
-                    if cutlass.const_expr(a < 3):
-                        at = ((token * 3 + a) * heads + head) * K + 8 * j
-                        src = aligned(y, at, 16)
-                    else:
-                        src = aligned(raw_g, (token * heads + head) * K + 8 * j, 16)
-                    cp_async_16(staged + (a * CHUNK + t) * K + 8 * j, src)
+            stage_rows(functools.partial(self.copy_piece, smem["staged"].iterator, y, raw_g, a,
+                                         request, head, heads, first, prompt),
+                       CHUNK, 2 * K, tid, THREADS)
         cute.arch.cp_async_commit_group()
+
+    @cute.jit
+    def copy_piece(self, staged, y, raw_g, a: cutlass.Constexpr, request, head, heads, first,
+                   prompt, t, j):
+        """cp.async of 16-byte piece j of token t's row of staged part a (q, k, v of y
+        [B, P, 3, H, K], or raw_g [B, P, H, K])."""
+        token = wide(request) * prompt + cutlass.min(first + t, prompt - 1)
+        if cutlass.const_expr(a < 3):
+            src = aligned(y, ((token * 3 + a) * heads + head) * K + 8 * j, 16)
+        else:
+            src = aligned(raw_g, (token * heads + head) * K + 8 * j, 16)
+        cp_async_16(staged + (a * CHUNK + t) * K + 8 * j, src)
 
     @cute.jit
     def zero_upper_tiles(self, bm, item, tid):

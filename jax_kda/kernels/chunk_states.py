@@ -26,11 +26,12 @@ from __future__ import annotations
 import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
-from cutlass import Float32, Int32, Uint32
+from cutlass import Float32, Int32
 
 from jax_kda.config import K
-from jax_kda.kernels.primitives import (aligned, cp_async_16, load_vec, mma_3xtf32,
-                                        row_major, split_tf32, store_vec, wide)
+from jax_kda.kernels.compile import Kernel, Signature
+from jax_kda.kernels.primitives import (allocate, load_vec, mma_3xtf32, split_tf32,
+                                        stage_rows, store_vec, strided_rows, wide)
 
 THREADS = 256  # two sides of 4 warps: one warp of each side per scheduler
 SIDE = 128
@@ -52,33 +53,40 @@ def store_pair(ptr, offset, x, y):
     store_vec(ptr, offset, pair.load())
 
 
-class ChunkStates:
+class ChunkStates(Kernel):
     """The kernel for chunks of C tokens (a multiple of 16, at most 64); `__call__`
-    launches it on a stream with the inputs, then the outputs, of `shapes`."""
+    launches it on a stream with the inputs, then the outputs, of `signature`."""
+
+    dims = ("B", "H", "N")
 
     def __init__(self, chunk: int):
         if chunk % 16 or not 16 <= chunk <= 64:
             raise ValueError(f"chunk: expected a multiple of 16 in [16, 64], got {chunk}")
         self.chunk = chunk
 
-    def shapes(self, B, H, N):
+    def key(self):
+        return (self.chunk,)
+
+    def signature(self, B, H, N):
         """The operands for B requests, H heads and N chunks, all FP32 and row-major:
-        (inputs u_v, w_k, gq, tail [B, H, N, C, K], decay [B, H, N, K], bm
+        inputs u_v, w_k, gq, tail [B, H, N, C, K], decay [B, H, N, K], bm
         [B, H, N, C, C], state [B, H, K, K]; outputs o [B, H, N, C, K], state_out
-        [B, H, K, K])."""
+        [B, H, K, K]."""
         tokens, state = (B, H, N, self.chunk, K), (B, H, K, K)
-        return ([tokens] * 4 + [(B, H, N, K), (B, H, N, self.chunk, self.chunk), state],
-                [tokens, state])
+        inputs = [tokens] * 4 + [(B, H, N, K), (B, H, N, self.chunk, self.chunk), state]
+        return Signature(tuple((shape, "float32") for shape in inputs),
+                         ((tokens, "float32"), (state, "float32")))
 
     def buffers(self):
         """The CTA's shared buffers, in allocation order: name -> (dtype, shape); tokens
         holds w_k (side 0's) and gq (side 1's); s and ut hold the state and u^T as TF32
         words, hi [0] and lo [1]."""
         C = self.chunk
-        return {"tokens": (Float32, (2, C, KEY_PITCH)), "tail": (Float32, (C, TAIL_PITCH)),
-                "bm": (Float32, (C, TOKEN_PITCH)), "u_v": (Float32, (C, ROW_PITCH)),
-                "decay": (Float32, (K,)), "s": (Uint32, (2, ROWS, KEY_PITCH)),
-                "ut": (Uint32, (2, ROWS, TOKEN_PITCH))}
+        return {"tokens": ("float32", (2, C, KEY_PITCH)),
+                "tail": ("float32", (C, TAIL_PITCH)), "bm": ("float32", (C, TOKEN_PITCH)),
+                "u_v": ("float32", (C, ROW_PITCH)), "decay": ("float32", (K,)),
+                "s": ("uint32", (2, ROWS, KEY_PITCH)),
+                "ut": ("uint32", (2, ROWS, TOKEN_PITCH))}
 
     @cute.jit
     def __call__(self, stream: cuda.CUstream, u_v: cute.Tensor, w_k: cute.Tensor,
@@ -97,7 +105,7 @@ class ChunkStates:
         side, warp, lane = tid // SIDE, tid // 32 % 4, tid % 32
         item = wide(request) * cute.arch.grid_dim()[1] + head
         first = block * ROWS  # this CTA's first value row
-        smem = self.shared_memory()
+        smem = allocate(cutlass.memory.SmemAllocator(), self.buffers())
         rows = self.load_state(state, smem, item, first, side, warp, lane)
         operands = (u_v, w_k, gq, tail, decay, bm)
         self.stage_products(smem, operands, item * chunks, first, tid)
@@ -125,12 +133,6 @@ class ChunkStates:
             row, key = self.state_entry(nb, h, side, warp, lane)
             store_pair(state_out, (item * K + first + row) * K + key, rows[nb, h, 0],
                        rows[nb, h, 1])
-
-    @cute.jit
-    def shared_memory(self):
-        smem = cutlass.memory.SmemAllocator()
-        return {name: smem.allocate_tensor(dtype, row_major(*shape), byte_alignment=16)
-                for name, (dtype, shape) in self.buffers().items()}
 
     @staticmethod
     def state_tiles():
@@ -175,11 +177,13 @@ class ChunkStates:
         u_v, w_k, gq = operands[:3]
         C: cutlass.Constexpr = self.chunk
         tokens = smem["tokens"]
-        self.copy_rows(tokens.iterator, KEY_PITCH, w_k, chunk * (C * K), K, C, K, tid)
-        self.copy_rows(tokens.iterator + C * KEY_PITCH, KEY_PITCH, gq, chunk * (C * K), K,
-                       C, K, tid)
-        self.copy_rows(smem["u_v"].iterator, ROW_PITCH, u_v, chunk * (C * K) + first, K, C,
-                       ROWS, tid)
+        at = chunk * (C * K)  # the chunk's first row of w_k, gq and u_v
+        stage_rows(strided_rows(tokens.iterator, KEY_PITCH, w_k, at, K), C, 4 * K, tid,
+                   THREADS)
+        stage_rows(strided_rows(tokens.iterator + C * KEY_PITCH, KEY_PITCH, gq, at, K), C,
+                   4 * K, tid, THREADS)
+        stage_rows(strided_rows(smem["u_v"].iterator, ROW_PITCH, u_v, at + first, K), C,
+                   4 * ROWS, tid, THREADS)
         cute.arch.cp_async_commit_group()
 
     @cute.jit
@@ -187,25 +191,13 @@ class ChunkStates:
         """cp.async of what `output` and `advance` read (tail, decay, Bm), one group."""
         tail, decay, bm = operands[3:]
         C: cutlass.Constexpr = self.chunk
-        self.copy_rows(smem["tail"].iterator, TAIL_PITCH, tail, chunk * (C * K), K, C, K,
-                       tid)
-        self.copy_rows(smem["decay"].iterator, K, decay, chunk * K, K, 1, K, tid)
-        self.copy_rows(smem["bm"].iterator, TOKEN_PITCH, bm, chunk * (C * C), C, C, C, tid)
+        stage_rows(strided_rows(smem["tail"].iterator, TAIL_PITCH, tail, chunk * (C * K), K),
+                   C, 4 * K, tid, THREADS)
+        stage_rows(strided_rows(smem["decay"].iterator, K, decay, chunk * K, K), 1, 4 * K,
+                   tid, THREADS)
+        stage_rows(strided_rows(smem["bm"].iterator, TOKEN_PITCH, bm, chunk * (C * C), C),
+                   C, 4 * C, tid, THREADS)
         cute.arch.cp_async_commit_group()
-
-    @cute.jit
-    def copy_rows(self, dst, pitch: cutlass.Constexpr, src, base, stride,
-                  rows: cutlass.Constexpr, width: cutlass.Constexpr, tid):
-        """cp.async of `rows` rows of `width` floats from src + base + r stride to
-        dst + r pitch, 16 bytes a thread."""
-        per_row: cutlass.Constexpr = width // 4
-        count: cutlass.Constexpr = rows * per_row
-        for i in cutlass.range_constexpr(-(-count // THREADS)):
-            index = tid + THREADS * i
-            if index < count:
-                r, j = index // per_row, index % per_row
-                cp_async_16(dst + (r * pitch + j * 4),
-                            aligned(src, base + r * stride + j * 4, 16))
 
     @cute.jit
     def a_split(self, buffer, pitch: cutlass.Constexpr, row0, col, lane):

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import collections
 import enum
-import math
 from typing import NamedTuple
 
 import cuda.bindings.driver as cuda
@@ -24,15 +23,17 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import BFloat16, Float32, Int32, Int64
 
-from jax_kda import operands
+from jax_kda import kernel_abi
 from jax_kda.config import K, NORM_EPS, SOLO_SHARED, KdaConfig
 from jax_kda.pytrees import AWAITING
-from jax_kda.kernels.primitives import (RN, aligned, bulk_copy, cp_async_16, decays,
+from jax_kda.kernels.compile import Kernel, Signature
+from jax_kda.kernels.fused_layout import BARRIERS, FusedLayout, carve
+from jax_kda.kernels.primitives import (DTYPES, RN, aligned, allocate, bulk_copy, decays,
                                         divided_by_roots, exp, load_i32s, load_if,
                                         load_vec, load_words, mma_bf16, prefetch_line_l2,
                                         push_f32, round_bf16, row_major, sigmoids, silus_bf16,
-                                        store_f32x4_if, store_vec, transpose_sum,
-                                        tree_sum, warp_totals, wide)
+                                        stage_rows, store_f32x4_if, store_vec, strided_rows,
+                                        transpose_sum, tree_sum, warp_totals, wide)
 
 THREADS = 256
 CROWDED_CTAS_PER_SM = 8  # above it (at T <= 4) the state is requested with the operands
@@ -59,7 +60,7 @@ class Phase(enum.IntEnum):
 
 
 # The kernel's view of its operands (the table's order), and the timeline build's stamps.
-Pointers = collections.namedtuple("Pointers", operands.NAMES + ("timeline",))
+Pointers = collections.namedtuple("Pointers", kernel_abi.NAMES + ("timeline",))
 
 
 class Weights(NamedTuple):
@@ -99,43 +100,33 @@ def pair_index(T, t, s, kind):
     return T * (T - 1) // 2 + t * (t + 1) // 2 + s
 
 
-def footprint(buffers):
-    """Bytes of the (dtype, shape) buffers laid out one after another, 16-byte aligned."""
-    return sum(-(-math.prod(shape) * dtype.width // 128) * 16 for dtype, shape in buffers)
-
-
-def carve(base, buffers):
-    """Row-major tensors for the (dtype, shape) buffers, one after another from the byte
-    pointer `base` (16-byte aligned each)."""
-    tensors, offset = [], 0
-    for dtype, shape in buffers:
-        tensors.append(cute.make_tensor(cute.recast_ptr(base + offset, dtype=dtype),
-                                        row_major(*shape)))
-        offset += footprint([(dtype, shape)])
-    return tensors
-
-
-class FusedVerify:
-    """The kernel of one configuration; `__call__` launches it on a stream.
+class FusedVerify(Kernel):
+    """The kernel of one configuration, its compile key; `__call__` launches it on a
+    stream with the operands of `signature`.
 
     config: the `KdaConfig` (its split resolved). split: CTAs per (request, head).
-    has_bias: whether conv_bias is given. timeline: the diagnostic build that stamps
-    each CTA's phases (`stamp`, `Phase`) into one more operand, a [CTAs, STAMPS] int64
-    tensor. solo: each CTA asks for SOLO_SHARED bytes of shared memory, so that no other
-    CTA shares its SM (`jax_kda.ffi.solo_ctas` says where). stacked: params and cache
-    carry a leading layer axis and the `layer` operand says which layer to run.
+    has_bias: whether conv_bias is given. conv_dtype, norm_dtype: the dtype names
+    ("float32" or "bfloat16") of conv_weight and conv_bias, and of norm_weight.
+    timeline: the diagnostic build that stamps each CTA's phases (`stamp`, `Phase`) into
+    one more operand, a [CTAs, STAMPS] int64 tensor. solo: each CTA asks for SOLO_SHARED
+    bytes of shared memory, so that no other CTA shares its SM (`jax_kda.ffi.solo_ctas`
+    says where). stacked: params and cache carry a leading layer axis and the `layer`
+    operand says which layer to run.
     """
 
-    def __init__(self, config: KdaConfig, split: int, has_bias: bool, *, timeline=False,
-                 solo=False, stacked=False):
+    # === The host side: the compile key, the signature, the launch
+
+    def __init__(self, config: KdaConfig, split: int, has_bias: bool, *, conv_dtype="float32",
+                 norm_dtype="float32", timeline=False, solo=False, stacked=False):
         self.config, self.split, self.has_bias = config, split, has_bias
+        self.conv_dtype, self.norm_dtype = conv_dtype, norm_dtype
         self.timeline, self.solo, self.stacked = timeline, solo, stacked
         self.heads, self.tokens, self.record_tokens = config.heads, config.tokens, config.rq
         self.gate_mode, self.lower_bound = config.gate_mode, config.lower_bound
         self.lazy = config.checkpoint_every > 1  # a verify may keep its replayed tokens
         self.scale, self.eps = config.query_scale, config.eps
-        self.sizes = operands.sizes_of(config, None, None, None)
-        self.rows = K // split  # RC: state rows per CTA
+        self.layout = FusedLayout(config, split)
+        self.rows = self.layout.rows  # RC: state rows per CTA
         # RPT: 4 rows per thread where the 2T x 4 dot accumulators fit the registers
         # (T <= 5), else 2; at most 32 threads per row (splits >= 4)
         self.rows_per_thread = min(4 if 2 * self.tokens * 4 <= 40 else 2,
@@ -143,64 +134,39 @@ class FusedVerify:
         self.lanes = THREADS * self.rows_per_thread // self.rows  # threads per row
         self.chunks = K // (4 * self.lanes)  # KCH: 4-key chunks per thread and row
 
-    def staged_shape(self):
-        """This CTA's state rows as they lie in global memory: [RC, K] f32."""
-        return (self.rows, K)
+    def key(self):
+        return (self.config, self.split, self.has_bias, self.conv_dtype, self.norm_dtype,
+                self.timeline, self.solo, self.stacked)
 
-    def early_buffers(self):
-        """Staged operands read before the state pass: the inputs x [T, 3, K] and the
-        window [3, K, W], last: it is copied out while section 0 writes the first late
-        buffer, which x outsizes. (The records are staged over old_decays: `records`.)"""
-        T, W = self.tokens, self.config.window
-        return [(BFloat16, (T, 3, K)), (BFloat16, (3, K, W))]
+    @property
+    def dims(self):
+        """B requests, S slots, R record rows, L layers (stacked builds'); CTAS, the
+        timeline build's rows of stamps."""
+        return ("B", "S", "R", "L") + (("CTAS",) if self.timeline else ())
 
-    def late_buffers(self):
-        """Written from the state pass on: Gamma k and Gamma q [2T, K] and the rows' dots
-        [RC, 2T + 1]."""
-        T, RC = self.tokens, self.rows
-        return [(Float32, (2 * T, K)), (Float32, (RC, 2 * T + 1))]
+    def signature(self, B, S, R, L, ctas=None):
+        """The operand table's operands at B, S, R and L (`kernel_abi`; None for an absent
+        conv_bias or layer; conv_weight and conv_bias of conv_dtype, norm_weight of
+        norm_dtype), then the timeline build's stamps [ctas, STAMPS] int64."""
+        sizes = kernel_abi.sizes_of(self.config, B, S, R, L)
+        own = {"conv_weight": self.conv_dtype, "norm_weight": self.norm_dtype}
 
-    def scratch_bytes(self):
-        return max(footprint(self.early_buffers()), footprint(self.late_buffers()))
+        def operand(op):
+            if not kernel_abi.present(op, self.has_bias, self.stacked):
+                return None
+            return kernel_abi.shape(op, sizes, self.stacked), kernel_abi.dtype(op, own)
 
-    def shared_buffers(self):
-        """The other shared buffers, in allocation order: name -> (dtype, shape)."""
-        T, RQ, RC, NP = self.tokens, self.record_tokens, self.rows, self.tokens ** 2
-        return {"gate_in": (BFloat16, (T, RC)), "kp": (Float32, (RQ, K)),
-                "old_decays": (Float32, (RQ, K)), "decay_n": (Float32, (K,)),
-                "old_u": (Float32, (RQ, RC)), "decays": (Float32, (T, K)),
-                "raw_gates": (BFloat16, (T, K)), "values_v": (Float32, (T, K)),
-                "norm_sums": (Float32, (T, 2, 4)), "old_sums": (Float32, (RQ, 4)),
-                "pairs": (Float32, (NP, 4)), "pair_sums": (Float32, (NP,)),
-                "betas": (Float32, (T,)), "out_sums": (Float32, (T, 4)),
-                "received": (Float32, (self.split, T)),
-                **({"kx": (Float32, (RQ, 2 * T))} if self.lazy and 2 * RQ > K else {})}
-
-    BARRIERS = ("exchange", "state_arrived", "gates_arrived")  # one mbarrier each
-
-    def shared_bytes(self):
-        """Dynamic shared memory per CTA (an upper bound: every alignment padded)."""
-        staged = footprint([(Float32, self.staged_shape())])
-        return (staged + 128 + self.scratch_bytes() + 128
-                + footprint(self.shared_buffers().values()) + 16 + 8 * len(self.BARRIERS))
-
-    def offset(self, name, *index):
-        """Element offset (Int64) of operand `name` at `index` (the leading indices; the
-        rest are 0), row-major by the operand table's sizes: every address the kernel
-        computes is one of these."""
-        dims = [self.sizes[d] if isinstance(d, str) else d
-                for d in next(op for op in operands.OPERANDS if op.name == name).dims]
-        total = wide(index[0])
-        for size, i in zip(dims[1:], index[1:]):
-            total = total * size + i
-        return total * math.prod(dims[len(index):])
+        stamps = (((ctas, STAMPS), "int64"),) if self.timeline else ()
+        return Signature(tuple(map(operand, kernel_abi.INPUTS)),
+                         tuple(map(operand, kernel_abi.OUTPUTS)) + stamps,
+                         tuple(kernel_abi.ALIASES.items()))
 
     @cute.jit
     def __call__(self, stream: cuda.CUstream, *tensors):
         """Launches the grid (split, H, B) on `stream`; tensors: the operand table's,
         in its order (None for an absent conv_bias or layer), then the timeline
         build's stamps."""
-        named = dict(zip(operands.NAMES + ("timeline",), tensors))
+        named = dict(zip(kernel_abi.NAMES + ("timeline",), tensors))
         lead = 1 if self.stacked else 0
         num_slots, num_records = named["state"].shape[lead], named["pending"].shape[lead]
         num_layers = named["state"].shape[0] if self.stacked else 1
@@ -211,8 +177,10 @@ class FusedVerify:
         self.kernel(ptr, Int32(num_slots), Int32(num_records), Int32(num_layers)).launch(
             grid=(self.split, self.heads, named["slots"].shape[0]), block=(THREADS, 1, 1),
             cluster=cluster, stream=stream, use_pdl=True, min_blocks_per_mp=2,
-            smem=max(self.shared_bytes(), SOLO_SHARED) if self.solo else None,
+            smem=max(self.layout.shared_bytes(), SOLO_SHARED) if self.solo else None,
             preferred_smem_carveout=100)
+
+    # === The device body: the kernel, a live item's phases in run order, a padding row
 
     @cute.kernel
     def kernel(self, ptr: Pointers, num_slots: Int32, num_records: Int32, num_layers: Int32):
@@ -311,37 +279,40 @@ class FusedVerify:
         self.stamp(timeline, Phase.NORMED, tid)
 
     @cute.jit
-    def kept(self, pending):
-        """(n, write, base) of a (request, head) from its pending count: n the records it
-        replays (pending, or m where it awaits an accept as -(m + 1)), clamped to
-        [0, RQ]; write whether S_n goes to the checkpoint (n > 0, and with
-        checkpoint_every > 1 only where the records lack room for T more: n + T > RQ);
-        base where this verify's T records go (n where it keeps the n, else 0)."""
-        RQ: cutlass.Constexpr = self.record_tokens
-        n = cutlass.select_(pending < 0, Int32(-1) - pending, pending)
-        n = cutlass.max(cutlass.min(n, Int32(RQ)), Int32(0))
-        write, base = n > 0, Int32(0)
-        if cutlass.const_expr(self.lazy):
-            write = n + self.tokens > RQ
-            base = cutlass.select_(write, Int32(0), n)
-        return n, write, base
+    def padding_row(self, ptr, request, head, rank, tid):
+        """A padding row: zero outputs, nothing else touched."""
+        if cutlass.const_expr(self.split > 1):
+            cute.arch.cluster_wait()  # this thread's arrival is matched
+        cute.arch.cp_async_commit_group()
+        cute.arch.cp_async_wait_group(0)  # no copy may land after the CTA is gone
+        if tid < self.rows:
+            for t in cutlass.range_constexpr(self.tokens):
+                ptr.out[self.offset("out", request, t, head, rank * self.rows + tid)] = \
+                    BFloat16(0.0)
+        cute.arch.griddepcontrol_launch_dependents()
+
+    # === Setup: shared memory, addresses, the warps' roles, barriers, stamps
 
     @cute.jit
     def shared_memory(self):
-        """The CTA's shared memory, carved once: a `Shared` of every buffer and mbarrier.
-        The item's small operands, staged by cp.async and read before the state pass,
-        share their bytes with the state pass's vectors and the rows' dots."""
+        """The CTA's shared memory as `FusedLayout` plans it, carved once: a `Shared` of
+        every buffer and mbarrier. The item's small operands, staged by cp.async and read
+        before the state pass, share their bytes with the state pass's vectors and the
+        rows' dots."""
+        layout = self.layout
         smem = cutlass.memory.SmemAllocator()
-        staged = smem.allocate_tensor(Float32, row_major(*self.staged_shape()),
+        staged = smem.allocate_tensor(Float32, row_major(*layout.staged_shape()),
                                       byte_alignment=128)
-        scratch = smem.allocate(self.scratch_bytes(), byte_alignment=128)
-        buffers = {name: smem.allocate_tensor(dtype, row_major(*shape), byte_alignment=16)
-                   for name, (dtype, shape) in self.shared_buffers().items()}
+        scratch = smem.allocate(layout.scratch_bytes(), byte_alignment=128)
+        buffers = allocate(smem, layout.shared_buffers())
         barriers = {name: smem.allocate_array(Int64, 1, byte_alignment=8)
-                    for name in self.BARRIERS}
-        x_in, window = carve(scratch, self.early_buffers())
-        xvec, dots = carve(scratch, self.late_buffers())
-        if cutlass.const_expr(self.lazy and "kx" not in buffers):  # over the read decays
+                    for name in BARRIERS}
+        x_in, window, xvec, dots = [
+            cute.make_tensor(cute.recast_ptr(scratch + at, dtype=DTYPES[dtype]),
+                             row_major(*shape))
+            for at, dtype, shape in carve(layout.early_buffers())
+            + carve(layout.late_buffers())]
+        if cutlass.const_expr(self.lazy and layout.kx_over_decays()):  # read by then
             buffers["kx"] = cute.make_tensor(buffers["decays"].iterator,
                                              row_major(self.record_tokens, 2 * self.tokens))
         return Shared(staged=staged, x_in=x_in, records_in=self.records(buffers["old_decays"]),
@@ -354,14 +325,26 @@ class FusedVerify:
         return cute.make_tensor(cute.recast_ptr(old_decays.iterator, dtype=BFloat16),
                                 row_major(self.record_tokens, 2, K))
 
+    def offset(self, name, *index):
+        """Element offset (Int64) of operand `name` at `index` (`FusedLayout.offset`):
+        every address the kernel computes is one of these."""
+        return self.layout.offset(name, wide(index[0]), *index[1:])
+
     @cute.jit
-    def arm(self, barrier, tx_bytes: cutlass.Constexpr, tid):
-        """Thread 0 makes `barrier` an mbarrier of one arrival that also waits for
-        tx_bytes of copies or DSMEM pushes."""
-        if tid == 0:
-            cute.arch.mbarrier_init(barrier, 1)
-            cute.arch.mbarrier_init_fence()
-            cute.arch.mbarrier_arrive_and_expect_tx(barrier, tx_bytes)
+    def stamp(self, timeline, phase: cutlass.Constexpr, tid):
+        """Diagnostics (timeline=True): thread 0 writes the SM clock at `phase` of its CTA
+        into timeline [CTAs, STAMPS] int64, after the SM id and the global timer at the
+        start, the global timer again at the end."""
+        if cutlass.const_expr(self.timeline):
+            if tid == 0:
+                rank, head, request = cute.arch.block_idx()
+                row = wide((request * self.heads + head) * self.split + rank) * STAMPS
+                if cutlass.const_expr(phase == Phase.START):
+                    timeline[row] = Int64(cute.arch.smid())
+                    timeline[row + 1] = cute.arch.globaltimer()
+                timeline[row + 3 + int(phase)] = cute.arch.clock64()
+                if cutlass.const_expr(phase == Phase.NORMED):
+                    timeline[row + 2] = cute.arch.globaltimer()
 
     def projection_role(self, rank, tid):
         """(projecting, block): whether this thread's warp runs the gate projection, and
@@ -372,6 +355,17 @@ class FusedVerify:
         block = tid // 32 - (8 - PW) + rank * PW
         projecting = True if self.split == 1 else tid // 32 >= 8 - PW
         return projecting, block
+
+    @cute.jit
+    def arm(self, barrier, tx_bytes: cutlass.Constexpr, tid):
+        """Thread 0 makes `barrier` an mbarrier of one arrival that also waits for
+        tx_bytes of copies or DSMEM pushes."""
+        if tid == 0:
+            cute.arch.mbarrier_init(barrier, 1)
+            cute.arch.mbarrier_init_fence()
+            cute.arch.mbarrier_arrive_and_expect_tx(barrier, tx_bytes)
+
+    # === Phase 1 (START .. WEIGHTS_ISSUED): weights and L2 prefetches, before the wait
 
     @cute.jit
     def guess_layer(self, ptr, num_layers):
@@ -389,122 +383,13 @@ class FusedVerify:
         if not self.stacked:
             return ptr
         runtime, moved = {"S": num_slots, "R": num_records}, {}
-        for op in operands.OPERANDS:
+        for op in kernel_abi.OPERANDS:
             if op.stacks:
                 size = wide(layer)
                 for d in op.dims:
-                    size = size * (runtime[d] if d in runtime else self.sizes.get(d, d))
+                    size = size * (runtime[d] if d in runtime else self.layout.sizes.get(d, d))
                 moved[op.name] = getattr(ptr, op.name) + size
         return ptr._replace(**moved)
-
-    @cute.jit
-    def resolve(self, ptr, weights, guess, slot, rec, layer, num_slots, num_records,
-                num_layers, head, projecting, block, tid):
-        """The item after the wait: live where its slot (and layer) are in range, its
-        layer's operands, and its weights loaded again where the guess was stale."""
-        live = (slot > 0) & (slot < num_slots)
-        if cutlass.const_expr(self.stacked):
-            in_range = (layer >= 0) & (layer < num_layers)
-            live = live & in_range
-            ptr = self.at_layer(ptr, cutlass.max(cutlass.min(layer, num_layers - 1),
-                                                 Int32(0)), num_slots, num_records)
-            if in_range & (layer != guess):
-                self.fill_weights(weights, ptr, head, projecting, block, tid)
-        return Item(slot, rec, live, (rec >= 0) & (rec < num_records), ptr)
-
-    @cute.jit
-    def stage_inputs(self, smem, ptr, request, head, rank, tid):
-        """cp.async of the item's token inputs x and its rows' output-gate logits."""
-        T: cutlass.Constexpr = self.tokens
-        H: cutlass.Constexpr = self.heads
-        self.stage(smem.x_in, ptr.x, self.offset("x", request, 0, 0, head), H * K, 3 * T, K,
-                   tid)
-        self.stage(smem.gate_in, ptr.gate, self.offset("gate", request, 0, head,
-                                                       rank * self.rows), H * K, T,
-                   self.rows, tid)
-
-    @cute.jit
-    def issue_reads(self, smem, item, ctas, head, rank, tid):
-        """Every read of the item, before anything waits on one: the window and records
-        as one cp.async group, the state rows by one bulk copy. The state goes out with
-        them where the grid keeps the memory busy (T <= 4 and more than
-        CROWDED_CTAS_PER_SM CTAs per SM: more bytes in flight), else once they have
-        landed (`await_operands`): a small grid's CTAs start together and each one's
-        operands would queue behind all their states. Returns whether it is crowded."""
-        T: cutlass.Constexpr = self.tokens
-        H: cutlass.Constexpr = self.heads
-        RQ: cutlass.Constexpr = self.record_tokens
-        RC: cutlass.Constexpr = self.rows
-        W: cutlass.Constexpr = self.config.window
-        ptr = item.ptr
-        if cutlass.const_expr(self.split > 1):
-            self.arm(smem.exchange, self.split * T * 4, tid)
-        self.stage(smem.window, ptr.conv, self.offset("conv", item.slot, 0, head),
-                   H * K * W, 3, K * W, tid)
-        if item.has_records:
-            self.stage(smem.old_u, ptr.corrections,
-                       self.offset("corrections", item.rec, head, 0, rank * RC), K, RQ, RC,
-                       tid)
-            self.stage(smem.records_in, ptr.key_gates, self.offset("key_gates", item.rec, head),
-                       0, 1, RQ * 2 * K, tid)
-        cute.arch.cp_async_commit_group()
-        crowded = (ctas > CROWDED_CTAS_PER_SM * cute.arch.nsmid()) & (T <= 4)
-        self.arm(smem.state_arrived, RC * K * 4, tid)
-        if crowded:
-            cute.arch.barrier()  # queued behind every thread's small copies, not among them
-            if tid == 0:
-                self.request_state(smem, ptr.state, item.slot, head, rank)
-        return crowded
-
-    @cute.jit
-    def await_operands(self, smem, item, crowded, head, rank, tid):
-        """The window and records landed; then the state's request where the grid is not
-        crowded. The cluster arrival says this CTA has read the old window and records
-        and armed its exchange barrier; the peers wait for it only before writing the
-        records, so the convolution hides their skew. Relaxed: the copies are waited on
-        and the barriers' inits fenced, and a release fence would cost more."""
-        cute.arch.cp_async_wait_group(0)
-        cute.arch.barrier()
-        if cutlass.const_expr(self.split > 1):
-            cute.arch.cluster_arrive_relaxed()
-        if (tid == 0) & (crowded == False):  # noqa: E712 - a device Boolean
-            self.request_state(smem, item.ptr.state, item.slot, head, rank)
-
-    @cute.jit
-    def padding_row(self, ptr, request, head, rank, tid):
-        """A padding row: zero outputs, nothing else touched."""
-        if cutlass.const_expr(self.split > 1):
-            cute.arch.cluster_wait()  # this thread's arrival is matched
-        cute.arch.cp_async_commit_group()
-        cute.arch.cp_async_wait_group(0)  # no copy may land after the CTA is gone
-        if tid < self.rows:
-            for t in cutlass.range_constexpr(self.tokens):
-                ptr.out[self.offset("out", request, t, head, rank * self.rows + tid)] = \
-                    BFloat16(0.0)
-        cute.arch.griddepcontrol_launch_dependents()
-
-    @cute.jit
-    def vectors(self, smem, activations, n, tid):
-        """Section 0: the token vectors and pair products, once the peers' decays are in;
-        section 1: the replay vectors and, here where it waits for section 0 anyway, the
-        solve's output gates into old_decays (its column `channel` = row only this thread
-        read, and for the last time). Then the pair sums."""
-        T: cutlass.Constexpr = self.tokens
-        if tid // K == 0:
-            if cutlass.const_expr(self.split > 1):
-                cute.arch.mbarrier_wait(smem.gates_arrived, 0)
-            self.token_vectors(activations, smem.norm_sums, smem.decays, smem.xvec,
-                               smem.pairs, tid)
-        else:
-            self.replay_vectors(smem.kp, smem.old_decays, smem.old_sums, smem.decay_n, n, tid)
-            row = tid - K
-            if row < self.rows:
-                gates = sigmoids([Float32(smem.gate_in[t, row]) for t in range(T)])
-                for t in cutlass.range_constexpr(T):
-                    smem.old_decays[t, row] = gates[t]
-        cute.arch.barrier()
-        if tid < T * T:
-            smem.pair_sums[tid] = tree_sum([smem.pairs[tid, w] for w in range(4)])
 
     @cute.jit
     def load_weights(self, ptr, head, projecting, block, tid):
@@ -618,6 +503,89 @@ class FusedVerify:
                 prefetch_line_l2(src + (base + wide(i // lines) * stride
                                         + (i % lines) * per_line))
 
+    # === Phase 2 (WAITED): the reads that need no slot, then the item
+
+    @cute.jit
+    def load_activations(self, f_a, request, projecting, tid):
+        """The mma B fragments of f_a (if `projecting`): token `group` (mod T), chunk 2 p + j
+        holding ranks 32 p + 8 quarter + 4 j + [0, 4) as two bf16x2 words (the f_b
+        fragments' k order)."""
+        T: cutlass.Constexpr = self.tokens
+        lane = tid % 32
+        group, quarter = lane // 4, lane % 4
+        token_row = self.offset("f_a", request, group % T)
+        fragments = cute.make_rmem_tensor((8, 2), cutlass.Uint32)
+        if projecting:
+            for pair in cutlass.range_constexpr(4):
+                words = load_words(f_a, token_row + 32 * pair + 8 * quarter, 4)
+                for i in cutlass.range_constexpr(4):
+                    fragments[2 * pair + i // 2, i % 2] = words[i]
+        return fragments
+
+    @cute.jit
+    def stage_inputs(self, smem, ptr, request, head, rank, tid):
+        """cp.async of the item's token inputs x and its rows' output-gate logits."""
+        T: cutlass.Constexpr = self.tokens
+        H: cutlass.Constexpr = self.heads
+        stage_rows(strided_rows(smem.x_in.iterator, K, ptr.x,
+                                self.offset("x", request, 0, 0, head), H * K),
+                   3 * T, 2 * K, tid, THREADS)
+        stage_rows(strided_rows(smem.gate_in.iterator, self.rows, ptr.gate,
+                                self.offset("gate", request, 0, head, rank * self.rows), H * K),
+                   T, 2 * self.rows, tid, THREADS)
+
+    @cute.jit
+    def resolve(self, ptr, weights, guess, slot, rec, layer, num_slots, num_records,
+                num_layers, head, projecting, block, tid):
+        """The item after the wait: live where its slot (and layer) are in range, its
+        layer's operands, and its weights loaded again where the guess was stale."""
+        live = (slot > 0) & (slot < num_slots)
+        if cutlass.const_expr(self.stacked):
+            in_range = (layer >= 0) & (layer < num_layers)
+            live = live & in_range
+            ptr = self.at_layer(ptr, cutlass.max(cutlass.min(layer, num_layers - 1),
+                                                 Int32(0)), num_slots, num_records)
+            if in_range & (layer != guess):
+                self.fill_weights(weights, ptr, head, projecting, block, tid)
+        return Item(slot, rec, live, (rec >= 0) & (rec < num_records), ptr)
+
+    # === Phases 3-5 (READS_ISSUED .. OPERANDS_ARRIVED): reads; gate projection meanwhile
+
+    @cute.jit
+    def issue_reads(self, smem, item, ctas, head, rank, tid):
+        """Every read of the item, before anything waits on one: the window and records
+        as one cp.async group, the state rows by one bulk copy. The state goes out with
+        them where the grid keeps the memory busy (T <= 4 and more than
+        CROWDED_CTAS_PER_SM CTAs per SM: more bytes in flight), else once they have
+        landed (`await_operands`): a small grid's CTAs start together and each one's
+        operands would queue behind all their states. Returns whether it is crowded."""
+        T: cutlass.Constexpr = self.tokens
+        H: cutlass.Constexpr = self.heads
+        RQ: cutlass.Constexpr = self.record_tokens
+        RC: cutlass.Constexpr = self.rows
+        W: cutlass.Constexpr = self.config.window
+        ptr = item.ptr
+        if cutlass.const_expr(self.split > 1):
+            self.arm(smem.exchange, self.split * T * 4, tid)
+        stage_rows(strided_rows(smem.window.iterator, K * W, ptr.conv,
+                                self.offset("conv", item.slot, 0, head), H * K * W),
+                   3, 2 * K * W, tid, THREADS)
+        if item.has_records:
+            stage_rows(strided_rows(smem.old_u.iterator, RC, ptr.corrections,
+                                    self.offset("corrections", item.rec, head, 0, rank * RC),
+                                    K), RQ, 4 * RC, tid, THREADS)
+            stage_rows(strided_rows(smem.records_in.iterator, RQ * 2 * K, ptr.key_gates,
+                                    self.offset("key_gates", item.rec, head), 0),
+                       1, 2 * RQ * 2 * K, tid, THREADS)
+        cute.arch.cp_async_commit_group()
+        crowded = (ctas > CROWDED_CTAS_PER_SM * cute.arch.nsmid()) & (T <= 4)
+        self.arm(smem.state_arrived, RC * K * 4, tid)
+        if crowded:
+            cute.arch.barrier()  # queued behind every thread's small copies, not among them
+            if tid == 0:
+                self.request_state(smem, ptr.state, item.slot, head, rank)
+        return crowded
+
     @cute.jit
     def request_state(self, smem, state, slot, head, rank):
         """This CTA's state rows (contiguous) into smem.staged by one bulk copy."""
@@ -626,35 +594,97 @@ class FusedVerify:
                   self.rows * K * 4, smem.state_arrived)
 
     @cute.jit
-    def stamp(self, timeline, phase: cutlass.Constexpr, tid):
-        """Diagnostics (timeline=True): thread 0 writes the SM clock at `phase` of its CTA
-        into timeline [CTAs, STAMPS] int64, after the SM id and the global timer at the
-        start, the global timer again at the end."""
-        if cutlass.const_expr(self.timeline):
-            if tid == 0:
-                rank, head, request = cute.arch.block_idx()
-                row = wide((request * self.heads + head) * self.split + rank) * STAMPS
-                if cutlass.const_expr(phase == Phase.START):
-                    timeline[row] = Int64(cute.arch.smid())
-                    timeline[row + 1] = cute.arch.globaltimer()
-                timeline[row + 3 + int(phase)] = cute.arch.clock64()
-                if cutlass.const_expr(phase == Phase.NORMED):
-                    timeline[row + 2] = cute.arch.globaltimer()
+    def gate_projection(self, activation_words, fb_words, dt_gate, a_exp, decays_out,
+                        raw_gates, gates_arrived, block, tid):
+        """raw_g = bf16(f_a . f_b[h]^T) with bf16 mma (this warp: features 16 block +
+        [0, 16), tokens as the 8 columns) into raw_gates, and this step's decays into
+        decays_out, pushed to every CTA of the cluster (their `gates_arrived`) where
+        split > 1."""
+        T: cutlass.Constexpr = self.tokens
+        lane = tid % 32
+        group, quarter = lane // 4, lane % 4
+        chains: cutlass.Constexpr = 4 if self.gate_mode == 1 else 1
+        acc = cute.make_rmem_tensor((chains, 4), Float32)
+        acc.fill(0.0)
+        for chunk in cutlass.range_constexpr(8):
+            chain: cutlass.Constexpr = chunk // 2 if self.gate_mode == 1 else 0
+            d = mma_bf16([fb_words[chunk, i] for i in range(4)],
+                         [activation_words[chunk, i] for i in range(2)],
+                         [acc[chain, e] for e in range(4)])
+            for e in cutlass.range_constexpr(4):
+                acc[chain, e] = d[e]
+        raw = []
+        for e in cutlass.range_constexpr(4):
+            total = acc[0, e]
+            if cutlass.const_expr(self.gate_mode == 1):
+                total = ((acc[0, e] + acc[1, e]) + acc[2, e]) + acc[3, e]
+            raw.append(round_bf16(total))
+        # Lane (group, quarter) holds features 16 block + group + 8 (e // 2) of columns
+        # 2 quarter + e % 2, and column c is token c % T. For T = 2 and 4 every value is
+        # held twice or four times: each lane takes T / 2 distinct ones (feature half
+        # quarter // 2, tokens T / 2 (quarter % 2) + [0, T / 2)), halving the decays.
+        per: cutlass.Constexpr = T // 2 if T in (2, 4) else 4
+        values, tokens, features, dts = raw, [], [], []
+        if cutlass.const_expr(per < 4):
+            upper = quarter >= 2
+            odd = (quarter % 2) == 1
+            values = []
+            for i in cutlass.range_constexpr(per):
+                if cutlass.const_expr(per == 2):
+                    values.append(cutlass.select_(upper, raw[2 + i], raw[i]))
+                else:
+                    values.append(cutlass.select_(upper, cutlass.select_(odd, raw[3], raw[2]),
+                                                  cutlass.select_(odd, raw[1], raw[0])))
+                tokens.append(per * (quarter % 2) + i)
+                features.append(16 * block + group + 8 * (quarter // 2))
+                dts.append(cutlass.select_(upper, dt_gate[1], dt_gate[0]))
+        else:
+            for e in cutlass.range_constexpr(4):
+                tokens.append(2 * quarter + e % 2)
+                features.append(16 * block + group + 8 * (e // 2))
+                dts.append(dt_gate[e // 2])
+        gates = decays(values, a_exp, dts, self.lower_bound)
+        for i in cutlass.range_constexpr(per):
+            if tokens[i] < T:  # columns token >= T (T not 2 or 4) repeat token % T
+                raw_gates[tokens[i], features[i]] = BFloat16(values[i])
+                if cutlass.const_expr(self.split > 1):
+                    for peer in cutlass.range_constexpr(self.split):
+                        push_f32(decays_out.iterator + tokens[i] * K + features[i], gates[i],
+                                 gates_arrived, peer)
+                else:
+                    decays_out[tokens[i], features[i]] = gates[i]
 
     @cute.jit
-    def stage(self, dst, src, base, stride, rows: cutlass.Constexpr,
-              row_elems: cutlass.Constexpr, tid):
-        """cp.async `rows` rows of `row_elems` elements (a multiple of 16 bytes) from
-        src + base + r stride into the contiguous shared tensor dst, 16 bytes a thread."""
-        per: cutlass.Constexpr = 128 // src.dtype.width  # elements per copy
-        row_copies: cutlass.Constexpr = row_elems // per
-        count: cutlass.Constexpr = rows * row_copies
-        for i in cutlass.range_constexpr(-(-count // THREADS)):
-            index = tid + THREADS * i
-            if index < count:
-                r, j = index // row_copies, index % row_copies
-                cp_async_16(dst.iterator + (r * row_elems + j * per),
-                            aligned(src, base + r * stride + j * per, 16))
+    def kept(self, pending):
+        """(n, write, base) of a (request, head) from its pending count: n the records it
+        replays (pending, or m where it awaits an accept as -(m + 1)), clamped to
+        [0, RQ]; write whether S_n goes to the checkpoint (n > 0, and with
+        checkpoint_every > 1 only where the records lack room for T more: n + T > RQ);
+        base where this verify's T records go (n where it keeps the n, else 0)."""
+        RQ: cutlass.Constexpr = self.record_tokens
+        n = cutlass.select_(pending < 0, Int32(-1) - pending, pending)
+        n = cutlass.max(cutlass.min(n, Int32(RQ)), Int32(0))
+        write, base = n > 0, Int32(0)
+        if cutlass.const_expr(self.lazy):
+            write = n + self.tokens > RQ
+            base = cutlass.select_(write, Int32(0), n)
+        return n, write, base
+
+    @cute.jit
+    def await_operands(self, smem, item, crowded, head, rank, tid):
+        """The window and records landed; then the state's request where the grid is not
+        crowded. The cluster arrival says this CTA has read the old window and records
+        and armed its exchange barrier; the peers wait for it only before writing the
+        records, so the convolution hides their skew. Relaxed: the copies are waited on
+        and the barriers' inits fenced, and a release fence would cost more."""
+        cute.arch.cp_async_wait_group(0)
+        cute.arch.barrier()
+        if cutlass.const_expr(self.split > 1):
+            cute.arch.cluster_arrive_relaxed()
+        if (tid == 0) & (crowded == False):  # noqa: E712 - a device Boolean
+            self.request_state(smem, item.ptr.state, item.slot, head, rank)
+
+    # === Phases 6-7 (CONVOLVED, CLUSTER_SYNCED): convolution; records read, then written
 
     @cute.jit
     def convolve(self, window, x_in, taps, bias, values_v, norm_sums, n, base, tid):
@@ -734,82 +764,59 @@ class FusedVerify:
                 old_sums[index, warp - 4] = squares
 
     @cute.jit
-    def load_activations(self, f_a, request, projecting, tid):
-        """The mma B fragments of f_a (if `projecting`): token `group` (mod T), chunk 2 p + j
-        holding ranks 32 p + 8 quarter + 4 j + [0, 4) as two bf16x2 words (the f_b
-        fragments' k order)."""
+    def write_records(self, ptr, activations, raw_gates, window, item, base, head, rank,
+                      tid):
+        """Once every CTA of the item has read the old ones, each CTA writes its channel
+        share of the new records' keys (section 0) and raw gates (section 1), at
+        positions base + t, and of the new window (in shared memory: `convolve`), 16
+        bytes a thread, coalesced (a channel's row is W positions: per-channel stores
+        would split sectors); then rank 0 leaves the record row awaiting its accept with
+        base records kept (every CTA of the item has read the pending count by then)."""
         T: cutlass.Constexpr = self.tokens
-        lane = tid % 32
-        group, quarter = lane // 4, lane % 4
-        token_row = self.offset("f_a", request, group % T)
-        fragments = cute.make_rmem_tensor((8, 2), cutlass.Uint32)
-        if projecting:
-            for pair in cutlass.range_constexpr(4):
-                words = load_words(f_a, token_row + 32 * pair + 8 * quarter, 4)
-                for i in cutlass.range_constexpr(4):
-                    fragments[2 * pair + i // 2, i % 2] = words[i]
-        return fragments
+        W: cutlass.Constexpr = self.config.window
+        share: cutlass.Constexpr = K // self.split
+        per_part: cutlass.Constexpr = share * W // 8  # 16-byte vectors of a part's share
+        channel, section = tid % K, tid // K
+        if item.has_records & (channel // share == rank):
+            for t in cutlass.range_constexpr(T):
+                at = self.offset("key_gates", item.rec, head, base + t, 0, channel)
+                if section == 0:
+                    ptr.key_gates[at] = BFloat16(activations[1, t])
+                else:
+                    ptr.key_gates[at + K] = raw_gates[t, channel]
+        for r in cutlass.range_constexpr(-(-3 * per_part // THREADS)):
+            i = tid + r * THREADS
+            if i < 3 * per_part:
+                part, within = i // per_part, (i % per_part) * 8 + rank * share * W
+                store_vec(ptr.conv, self.offset("conv", item.slot, part, head) + within,
+                          load_vec(window.iterator, part * K * W + within, 8))
+        if (tid == 0) & (rank == 0) & item.has_records:
+            ptr.pending[self.offset("pending", item.rec, head)] = Int32(AWAITING) - base
+
+    # === Phase 8 (VECTORS_READY): the token and replay vectors
 
     @cute.jit
-    def gate_projection(self, activation_words, fb_words, dt_gate, a_exp, decays_out,
-                        raw_gates, gates_arrived, block, tid):
-        """raw_g = bf16(f_a . f_b[h]^T) with bf16 mma (this warp: features 16 block +
-        [0, 16), tokens as the 8 columns) into raw_gates, and this step's decays into
-        decays_out, pushed to every CTA of the cluster (their `gates_arrived`) where
-        split > 1."""
+    def vectors(self, smem, activations, n, tid):
+        """Section 0: the token vectors and pair products, once the peers' decays are in;
+        section 1: the replay vectors and, here where it waits for section 0 anyway, the
+        solve's output gates into old_decays (its column `channel` = row only this thread
+        read, and for the last time). Then the pair sums."""
         T: cutlass.Constexpr = self.tokens
-        lane = tid % 32
-        group, quarter = lane // 4, lane % 4
-        chains: cutlass.Constexpr = 4 if self.gate_mode == 1 else 1
-        acc = cute.make_rmem_tensor((chains, 4), Float32)
-        acc.fill(0.0)
-        for chunk in cutlass.range_constexpr(8):
-            chain: cutlass.Constexpr = chunk // 2 if self.gate_mode == 1 else 0
-            d = mma_bf16([fb_words[chunk, i] for i in range(4)],
-                         [activation_words[chunk, i] for i in range(2)],
-                         [acc[chain, e] for e in range(4)])
-            for e in cutlass.range_constexpr(4):
-                acc[chain, e] = d[e]
-        raw = []
-        for e in cutlass.range_constexpr(4):
-            total = acc[0, e]
-            if cutlass.const_expr(self.gate_mode == 1):
-                total = ((acc[0, e] + acc[1, e]) + acc[2, e]) + acc[3, e]
-            raw.append(round_bf16(total))
-        # Lane (group, quarter) holds features 16 block + group + 8 (e // 2) of columns
-        # 2 quarter + e % 2, and column c is token c % T. For T = 2 and 4 every value is
-        # held twice or four times: each lane takes T / 2 distinct ones (feature half
-        # quarter // 2, tokens T / 2 (quarter % 2) + [0, T / 2)), halving the decays.
-        per: cutlass.Constexpr = T // 2 if T in (2, 4) else 4
-        values, tokens, features, dts = raw, [], [], []
-        if cutlass.const_expr(per < 4):
-            upper = quarter >= 2
-            odd = (quarter % 2) == 1
-            values = []
-            for i in cutlass.range_constexpr(per):
-                if cutlass.const_expr(per == 2):
-                    values.append(cutlass.select_(upper, raw[2 + i], raw[i]))
-                else:
-                    values.append(cutlass.select_(upper, cutlass.select_(odd, raw[3], raw[2]),
-                                                  cutlass.select_(odd, raw[1], raw[0])))
-                tokens.append(per * (quarter % 2) + i)
-                features.append(16 * block + group + 8 * (quarter // 2))
-                dts.append(cutlass.select_(upper, dt_gate[1], dt_gate[0]))
+        if tid // K == 0:
+            if cutlass.const_expr(self.split > 1):
+                cute.arch.mbarrier_wait(smem.gates_arrived, 0)
+            self.token_vectors(activations, smem.norm_sums, smem.decays, smem.xvec,
+                               smem.pairs, tid)
         else:
-            for e in cutlass.range_constexpr(4):
-                tokens.append(2 * quarter + e % 2)
-                features.append(16 * block + group + 8 * (e // 2))
-                dts.append(dt_gate[e // 2])
-        gates = decays(values, a_exp, dts, self.lower_bound)
-        for i in cutlass.range_constexpr(per):
-            if tokens[i] < T:  # columns token >= T (T not 2 or 4) repeat token % T
-                raw_gates[tokens[i], features[i]] = BFloat16(values[i])
-                if cutlass.const_expr(self.split > 1):
-                    for peer in cutlass.range_constexpr(self.split):
-                        push_f32(decays_out.iterator + tokens[i] * K + features[i], gates[i],
-                                 gates_arrived, peer)
-                else:
-                    decays_out[tokens[i], features[i]] = gates[i]
+            self.replay_vectors(smem.kp, smem.old_decays, smem.old_sums, smem.decay_n, n, tid)
+            row = tid - K
+            if row < self.rows:
+                gates = sigmoids([Float32(smem.gate_in[t, row]) for t in range(T)])
+                for t in cutlass.range_constexpr(T):
+                    smem.old_decays[t, row] = gates[t]
+        cute.arch.barrier()
+        if tid < T * T:
+            smem.pair_sums[tid] = tree_sum([smem.pairs[tid, w] for w in range(4)])
 
     @cute.jit
     def token_vectors(self, activations, norm_sums, decays, xvec, pairs, tid):
@@ -867,6 +874,36 @@ class FusedVerify:
         decay_n[channel] = suffix
 
     @cute.jit
+    def low_rank(self, smem, n, write, tid):
+        """Whether the state pass takes the keep step's low-rank form (lazy builds: the
+        state not written and records kept), S_n x = S_0 (D_n x) + U_n (Kp_n^T x); if so
+        kx [t, j] := kp_t . x_j for t < RQ (rows t >= n unused), a warp per share of the
+        RQ 2T pairs, a lane per 4 keys."""
+        if cutlass.const_expr(not self.lazy):
+            return False
+        low_rank = (write == False) & (n > 0)  # noqa: E712 - a device Boolean
+        if low_rank:
+            RQ: cutlass.Constexpr = self.record_tokens
+            J: cutlass.Constexpr = 2 * self.tokens
+            per_warp: cutlass.Constexpr = -(-RQ * J // (THREADS // 32))
+            lane, warp = tid % 32, tid // 32
+            for first in cutlass.range_constexpr(0, per_warp, 32):
+                count: cutlass.Constexpr = min(32, per_warp - first)
+                partial = []
+                for i in cutlass.range_constexpr(count):
+                    pair = cutlass.min(warp * per_warp + first + i, Int32(RQ * J - 1))
+                    k4 = load_vec(smem.kp.iterator, (pair // J) * K + 4 * lane, 4)
+                    x4 = load_vec(smem.xvec.iterator, (pair % J) * K + 4 * lane, 4)
+                    partial.append(tree_sum([k4[e] * x4[e] for e in range(4)]))
+                total, index, holds = warp_totals(partial, lane)
+                pair = warp * per_warp + first + index
+                if holds & (pair < RQ * J):
+                    smem.kx[pair // J, pair % J] = total
+        return low_rank
+
+    # === Phase 9 (STATE_ARRIVED .. STATE_PASSED): the state pass
+
+    @cute.jit
     def state_pass(self, state, smem, slot, n, write, low_rank, head, row0, timeline, tid):
         """Per 4-key chunk of this thread's rows: S_n = S_0 D_n + sum_t u_t (kn_t P_t),
         written back if `write`, and the 2T dot products with Gamma k and Gamma q (where
@@ -911,6 +948,14 @@ class FusedVerify:
         self.row_dots(smem.dots, acc, first_row, lane_in, tid)
 
     @cute.jit
+    def load_rows(self, rows, staged, first_row, key):
+        """rows [RPT, 4] := the staged state rows first_row + r at keys key .. key + 3."""
+        for r in cutlass.range_constexpr(self.rows_per_thread):
+            v = load_vec(staged.iterator, (first_row + r) * K + key, 4)
+            for e in cutlass.range_constexpr(4):
+                rows[r, e] = v[e]
+
+    @cute.jit
     def fold(self, rows, state, smem, n, write, late_rows: cutlass.Constexpr, base,
              first_row, key):
         """rows [RPT, 4] := S_n at keys key .. key + 3 (the staged S_0 times D_n plus the
@@ -925,46 +970,6 @@ class FusedVerify:
                 rows[r, e] = cute.math.fma(rows[r, e], d4[e], replayed[r, e])
             target = aligned(state, base + (first_row + r) * K + key, 16)
             store_f32x4_if(target, [rows[r, e] for e in range(4)], write)
-
-    @cute.jit
-    def add_dots(self, acc, rows, xvec, key, scale=None):
-        """acc [RPT, 2T] += rows [RPT, 4] . x_j at keys key .. key + 3 for the 2T vectors
-        of xvec, each element times scale [4] where given."""
-        for j in cutlass.range_constexpr(2 * self.tokens):
-            x4 = load_vec(xvec.iterator, j * K + key, 4)
-            xs = [x4[e] for e in range(4)] if scale is None else [
-                x4[e] * scale[e] for e in range(4)]
-            for r in cutlass.range_constexpr(self.rows_per_thread):
-                for e in cutlass.range_constexpr(4):
-                    acc[r, j] = cute.math.fma(rows[r, e], xs[e], acc[r, j])
-
-    @cute.jit
-    def low_rank(self, smem, n, write, tid):
-        """Whether the state pass takes the keep step's low-rank form (lazy builds: the
-        state not written and records kept), S_n x = S_0 (D_n x) + U_n (Kp_n^T x); if so
-        kx [t, j] := kp_t . x_j for t < RQ (rows t >= n unused), a warp per share of the
-        RQ 2T pairs, a lane per 4 keys."""
-        if cutlass.const_expr(not self.lazy):
-            return False
-        low_rank = (write == False) & (n > 0)  # noqa: E712 - a device Boolean
-        if low_rank:
-            RQ: cutlass.Constexpr = self.record_tokens
-            J: cutlass.Constexpr = 2 * self.tokens
-            per_warp: cutlass.Constexpr = -(-RQ * J // (THREADS // 32))
-            lane, warp = tid % 32, tid // 32
-            for first in cutlass.range_constexpr(0, per_warp, 32):
-                count: cutlass.Constexpr = min(32, per_warp - first)
-                partial = []
-                for i in cutlass.range_constexpr(count):
-                    pair = cutlass.min(warp * per_warp + first + i, Int32(RQ * J - 1))
-                    k4 = load_vec(smem.kp.iterator, (pair // J) * K + 4 * lane, 4)
-                    x4 = load_vec(smem.xvec.iterator, (pair % J) * K + 4 * lane, 4)
-                    partial.append(tree_sum([k4[e] * x4[e] for e in range(4)]))
-                total, index, holds = warp_totals(partial, lane)
-                pair = warp * per_warp + first + index
-                if holds & (pair < RQ * J):
-                    smem.kx[pair // J, pair % J] = total
-        return low_rank
 
     @cute.jit
     def replayed(self, kp, old_u, n, first_row, key):
@@ -990,6 +995,18 @@ class FusedVerify:
         return replayed
 
     @cute.jit
+    def add_dots(self, acc, rows, xvec, key, scale=None):
+        """acc [RPT, 2T] += rows [RPT, 4] . x_j at keys key .. key + 3 for the 2T vectors
+        of xvec, each element times scale [4] where given."""
+        for j in cutlass.range_constexpr(2 * self.tokens):
+            x4 = load_vec(xvec.iterator, j * K + key, 4)
+            xs = [x4[e] for e in range(4)] if scale is None else [
+                x4[e] * scale[e] for e in range(4)]
+            for r in cutlass.range_constexpr(self.rows_per_thread):
+                for e in cutlass.range_constexpr(4):
+                    acc[r, j] = cute.math.fma(rows[r, e], xs[e], acc[r, j])
+
+    @cute.jit
     def row_dots(self, dots, acc, first_row, lane_in, tid):
         """The LANES partial sums acc [RPT, 2T] of each (row, dot) meet in one lane of the
         row's group, into dots [first_row + r, j]."""
@@ -1006,13 +1023,7 @@ class FusedVerify:
             if index < count:
                 dots[first_row + index // (2 * T), index % (2 * T)] = totals[i]
 
-    @cute.jit
-    def load_rows(self, rows, staged, first_row, key):
-        """rows [RPT, 4] := the staged state rows first_row + r at keys key .. key + 3."""
-        for r in cutlass.range_constexpr(self.rows_per_thread):
-            v = load_vec(staged.iterator, (first_row + r) * K + key, 4)
-            for e in cutlass.range_constexpr(4):
-                rows[r, e] = v[e]
+    # === Phases 10-11 (SOLVED, NORMED): the T x T solve and the gated RMSNorm
 
     @cute.jit
     def solve_rows(self, corrections, smem, item, n, low_rank, base, head, row0, tid):
@@ -1099,33 +1110,3 @@ class FusedVerify:
             for t in cutlass.range_constexpr(T):
                 where = self.offset("out", request, t, head, row)
                 out[where] = BFloat16(outs[t] * rstd[t] * nw * gated[t])
-
-    @cute.jit
-    def write_records(self, ptr, activations, raw_gates, window, item, base, head, rank,
-                      tid):
-        """Once every CTA of the item has read the old ones, each CTA writes its channel
-        share of the new records' keys (section 0) and raw gates (section 1), at
-        positions base + t, and of the new window (in shared memory: `convolve`), 16
-        bytes a thread, coalesced (a channel's row is W positions: per-channel stores
-        would split sectors); then rank 0 leaves the record row awaiting its accept with
-        base records kept (every CTA of the item has read the pending count by then)."""
-        T: cutlass.Constexpr = self.tokens
-        W: cutlass.Constexpr = self.config.window
-        share: cutlass.Constexpr = K // self.split
-        per_part: cutlass.Constexpr = share * W // 8  # 16-byte vectors of a part's share
-        channel, section = tid % K, tid // K
-        if item.has_records & (channel // share == rank):
-            for t in cutlass.range_constexpr(T):
-                at = self.offset("key_gates", item.rec, head, base + t, 0, channel)
-                if section == 0:
-                    ptr.key_gates[at] = BFloat16(activations[1, t])
-                else:
-                    ptr.key_gates[at + K] = raw_gates[t, channel]
-        for r in cutlass.range_constexpr(-(-3 * per_part // THREADS)):
-            i = tid + r * THREADS
-            if i < 3 * per_part:
-                part, within = i // per_part, (i % per_part) * 8 + rank * share * W
-                store_vec(ptr.conv, self.offset("conv", item.slot, part, head) + within,
-                          load_vec(window.iterator, part * K * W + within, 8))
-        if (tid == 0) & (rank == 0) & item.has_records:
-            ptr.pending[self.offset("pending", item.rec, head)] = Int32(AWAITING) - base

@@ -1,6 +1,7 @@
-"""Device helpers of the KDA kernels (CuTe DSL, sm_90a): memory access by raw element
-offsets, cp.async, bf16 and split-TF32 tensor-core mma, warp reductions, DSMEM pushes
-and the pointwise math at the stock rounding points.
+"""Device helpers of the KDA kernels (CuTe DSL, sm_90a): shared buffers, memory access by
+raw element offsets, cp.async and the row staging on it, bf16 and split-TF32
+tensor-core mma, warp reductions, DSMEM pushes and the pointwise math at the stock
+rounding points.
 
 Global arrays are addressed as `base pointer + Int64 element offset` computed by the
 caller from the static sizes (H, K, RQ), so that one compiled kernel serves any number
@@ -19,6 +20,8 @@ import numpy
 from cutlass import BFloat16, Boolean, Float32, Int32, Int64, Uint32
 
 RN = cute.math.RoundingMode.NEAREST_EVEN
+DTYPES = {"float32": Float32, "bfloat16": BFloat16, "int32": Int32, "int64": Int64,
+          "uint32": Uint32}  # CuTe DSL's type of a dtype name
 
 
 def aligned(ptr, offset, align):
@@ -29,6 +32,14 @@ def aligned(ptr, offset, align):
 def row_major(*shape):
     """The row-major layout of `shape` (the last index fastest)."""
     return cute.make_ordered_layout(shape, order=tuple(reversed(range(len(shape)))))
+
+
+def allocate(smem, buffers, byte_alignment=16):
+    """Row-major shared tensors of the buffers {name: (dtype name, shape)}, in order, from
+    the `cutlass.memory.SmemAllocator` smem: {name: tensor}."""
+    return {name: smem.allocate_tensor(DTYPES[dtype], row_major(*shape),
+                                       byte_alignment=byte_alignment)
+            for name, (dtype, shape) in buffers.items()}
 
 
 def load_vec(ptr, offset, width):
@@ -92,6 +103,28 @@ def cp_async_16(smem_ptr, gmem_ptr):
     """cp.async.cg of 16 bytes, global -> shared; the caller commits and waits."""
     cute.arch.inline_ptx("cp.async.cg.shared.global [{$r0}], [{$r1}], 16;",
                          read_only_args=[smem_ptr, gmem_ptr])
+
+
+def strided_rows(dst, pitch, src, base, stride):
+    """The copy of `stage_rows` that takes 16-byte piece j of row r from src + base +
+    r stride to the shared dst + r pitch (strides in elements)."""
+    per = 128 // src.dtype.width  # elements per piece
+    return lambda r, j: cp_async_16(dst + (r * pitch + j * per),
+                                    aligned(src, base + r * stride + j * per, 16))
+
+
+@cute.jit
+def stage_rows(copy: cutlass.Constexpr, rows: cutlass.Constexpr,
+               row_bytes: cutlass.Constexpr, tid, threads: cutlass.Constexpr):
+    """cp.async staging of `rows` rows of `row_bytes` bytes (a multiple of 16), their
+    16-byte pieces dealt to the CTA's `threads` in turn: copy(r, j) issues piece j of
+    row r (`strided_rows`); the caller commits the group."""
+    pieces: cutlass.Constexpr = row_bytes // 16
+    count: cutlass.Constexpr = rows * pieces
+    for i in cutlass.range_constexpr(-(-count // threads)):
+        index = tid + threads * i
+        if index < count:
+            copy(index // pieces, index % pieces)
 
 
 def bulk_copy(smem_ptr, gmem_ptr, size, barrier_ptr):

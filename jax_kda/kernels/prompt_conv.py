@@ -16,6 +16,7 @@ import cutlass.cute as cute
 from cutlass import BFloat16, Float32, Int32
 
 from jax_kda.config import CONV_TAPS, K
+from jax_kda.kernels.compile import Kernel, Signature
 from jax_kda.kernels.primitives import RN, load_vec, silus_bf16, store_vec, wide
 
 THREADS = 128
@@ -25,19 +26,23 @@ RUN = 32  # tokens a thread: the history's reload is 3 / RUN of the reads
 HISTORY = CONV_TAPS - 1
 
 
-class PromptConvolution:
+class PromptConvolution(Kernel):
     """The kernel (no compile-time values: it serves every prompt, batch and head
-    count); `__call__` launches it on a stream with the operands of `shapes`."""
+    count); `__call__` launches it on a stream with the operands of `signature`."""
+
+    dims = ("B", "P", "H")
+
+    def key(self):
+        return ()
 
     @staticmethod
-    def shapes(B, P, H):
+    def signature(B, P, H):
         """Inputs x [B, P, 3, H, K] bf16 (the raw q, k, v), history [B, 3, 3, H, K] bf16
         (the three inputs before x_0, position-major as x), weight [4, 3, H, K] f32 (tap
-        first), bias [3, H, K] f32; output y [B, P, 3, H, K] bf16: as (shape, dtype
-        name) pairs."""
-        return ([((B, P, 3, H, K), "bfloat16"), ((B, HISTORY, 3, H, K), "bfloat16"),
-                 ((CONV_TAPS, 3, H, K), "float32"), ((3, H, K), "float32")],
-                [((B, P, 3, H, K), "bfloat16")])
+        first), bias [3, H, K] f32; output y [B, P, 3, H, K] bf16."""
+        return Signature((((B, P, 3, H, K), "bfloat16"), ((B, HISTORY, 3, H, K), "bfloat16"),
+                          ((CONV_TAPS, 3, H, K), "float32"), ((3, H, K), "float32")),
+                         (((B, P, 3, H, K), "bfloat16"),))
 
     @cute.jit
     def __call__(self, stream: cuda.CUstream, x: cute.Tensor, history: cute.Tensor,

@@ -4,18 +4,16 @@ chunks' operands, `jax_kda.kernels.chunk_operands`) and `cutedsl_chunk_states` (
 scan over chunks, `jax_kda.kernels.chunk_states`). Each is a primitive whose CUDA
 lowering compiles its kernel once per configuration for symbolic sizes (one binary for
 every prompt and batch, also under `jax.export` on a machine without a GPU) and runs it
-through CuTe DSL's FFI target; on any other platform the lowering raises a clear
-error."""
+through CuTe DSL's FFI target (`jax_kda.ffi.lowering`); on any other platform the
+lowering raises a clear error."""
 from __future__ import annotations
-
-import functools
 
 import jax
 import jax.extend
 import jax.numpy as jnp
 
 from jax_kda.config import K
-from jax_kda.ffi.call import compile_symbolic, launch_compiled, register_cuda_lowering
+from jax_kda.ffi import lowering
 from jax_kda.prompt_chunks import CHUNK, Operands
 
 prompt_conv_p = jax.extend.core.Primitive("jax_kda_prompt_conv")
@@ -47,28 +45,13 @@ def _conv_abstract(x, history, weight, bias):
 
 
 def _conv_lowering(x, history, weight, bias):
-    return launch_compiled(_compiled_conv(), (x, history, weight, bias),
-                           [jax.ShapeDtypeStruct(x.shape, jnp.bfloat16)], {})
+    from jax_kda.kernels import PromptConvolution
+
+    return lowering.launch(PromptConvolution(), (x, history, weight, bias),
+                           [jax.ShapeDtypeStruct(x.shape, jnp.bfloat16)])
 
 
-register_cuda_lowering(prompt_conv_p, _conv_lowering, "prefill")
-
-
-@functools.lru_cache(maxsize=None)
-def _compiled_conv():
-    """PromptConvolution() compiled for symbolic B, P and H."""
-    from jax_kda.kernels.prompt_conv import PromptConvolution
-
-    return _compiled_on_table(PromptConvolution(), "B, P, H", ("prompt_conv",))
-
-
-def _compiled_on_table(kernel, dims, compile_key):
-    """`kernel` compiled for its `shapes` table ((shape, dtype name) pairs of inputs and
-    outputs) at the symbolic sizes `dims`."""
-    inputs, outputs = ([jax.ShapeDtypeStruct(shape, jnp.dtype(dtype)) for shape, dtype in part]
-                       for part in kernel.shapes(*jax.export.symbolic_shape(dims)))
-    return compile_symbolic(kernel, inputs, outputs, (True,) * len(inputs), {},
-                            compile_key=compile_key)
+lowering.register_cuda_lowering(prompt_conv_p, _conv_lowering, "prefill")
 
 
 def cutedsl_chunk_operands(y, raw_g, beta, lengths, a_log, dt_bias, *, lower_bound: float,
@@ -105,21 +88,14 @@ def _operands_abstract(y, *inputs, lower_bound, scale):
 
 
 def _operands_lowering(y, *inputs, lower_bound, scale):
+    from jax_kda.kernels import ChunkOperands
+
     B, P, _, H, _ = y.shape
-    return launch_compiled(_compiled_operands(lower_bound, scale), (y, *inputs),
-                           _operand_outputs(B, H, -(-P // CHUNK)), {})
+    return lowering.launch(ChunkOperands(lower_bound, scale), (y, *inputs),
+                           _operand_outputs(B, H, -(-P // CHUNK)))
 
 
-register_cuda_lowering(chunk_operands_p, _operands_lowering, "prefill")
-
-
-@functools.lru_cache(maxsize=None)
-def _compiled_operands(lower_bound, scale):
-    """ChunkOperands(lower_bound, scale) compiled for symbolic B, P, H and N."""
-    from jax_kda.kernels.chunk_operands import ChunkOperands
-
-    return _compiled_on_table(ChunkOperands(lower_bound, scale), "B, P, H, N",
-                              ("chunk_operands", lower_bound, scale))
+lowering.register_cuda_lowering(chunk_operands_p, _operands_lowering, "prefill")
 
 
 def cutedsl_chunk_states(state, u_v, w_k, gq, tail, decay, bm):
@@ -139,22 +115,12 @@ def _states_abstract(u_v, w_k, gq, tail, decay, bm, state):
 
 
 def _states_lowering(u_v, w_k, gq, tail, decay, bm, state):
+    from jax_kda.kernels import ChunkStates
+
     outputs = (jax.ShapeDtypeStruct(w_k.shape, jnp.float32),
                jax.ShapeDtypeStruct(state.shape, jnp.float32))
-    return launch_compiled(_compiled_states(w_k.shape[3]),
-                           (u_v, w_k, gq, tail, decay, bm, state), outputs, {})
+    return lowering.launch(ChunkStates(w_k.shape[3]), (u_v, w_k, gq, tail, decay, bm, state),
+                           outputs)
 
 
-register_cuda_lowering(chunk_states_p, _states_lowering, "prefill")
-
-
-@functools.lru_cache(maxsize=None)
-def _compiled_states(chunk):
-    """ChunkStates(chunk) compiled for symbolic B, H and N."""
-    from jax_kda.kernels.chunk_states import ChunkStates
-
-    kernel = ChunkStates(chunk)
-    inputs, outputs = (tuple(jax.ShapeDtypeStruct(shape, jnp.float32) for shape in shapes)
-                       for shapes in kernel.shapes(*jax.export.symbolic_shape("B, H, N")))
-    return compile_symbolic(kernel, inputs, outputs, (True,) * len(inputs), {},
-                            compile_key=("chunk_states", chunk))
+lowering.register_cuda_lowering(chunk_states_p, _states_lowering, "prefill")

@@ -1,7 +1,9 @@
-"""The fused kernel's operands, one table in launch order: the custom call's operand tuple
-and aliases (`jax_kda.ffi.call`), the eager path's fields (`jax_kda.ffi.eager`), the
-compile-time fakes (`jax_kda.kernels`), the kernel's own view of them
-(`FusedVerify.__call__`) and docs/design.md's table are all derived from it.
+"""The fused verify kernel's ABI: its operands, one table in launch order. The kernel's
+signature (`FusedVerify.signature`, from which both bindings compile it), the custom
+call's operand tuple and aliases (`jax_kda.ffi.verify_call`), the eager path's fields
+(`jax_kda.ffi.eager`), the kernel's own view of them (`FusedVerify.__call__`), its
+addresses (`jax_kda.kernels.fused_layout`) and docs/design.md's table are all derived
+from it.
 
 A shape is a tuple of sizes and symbols: B requests, T tokens, H heads, S slots, R
 record rows, RQ record tokens, W window positions (K = 128 and the conv's 4 taps are
@@ -77,6 +79,11 @@ def sizes_of(config, B, S, R, L=None) -> dict:
     """The symbols of a configuration and its batch, slot, record and layer counts."""
     return dict(B=B, T=config.tokens, H=config.heads, S=S, R=R, RQ=config.rq,
                 W=config.window, L=L)
+
+
+def present(op: Operand, has_bias: bool, stacked: bool) -> bool:
+    """Whether a build with (or without) conv_bias, stacked or not, takes operand op."""
+    return not op.optional or (has_bias if op.name == "conv_bias" else stacked)
 
 
 def dtype(op: Operand, own: dict) -> str:

@@ -1,0 +1,102 @@
+"""The kernels' custom calls compiled and emitted: the one module that uses CuTe DSL's
+private JAX internals (`cutlass.jax.compile`, `cutlass.jax.types`, `cutlass.jax.ffi`) and
+its runtime arch.
+
+The public `cutlass.jax.cutlass_call` is not enough, for three reasons:
+- it compiles at lowering for the shapes it is lowered at (one binary per batch, cache,
+  layer count and prompt); `for_xla` compiles a kernel's signature for symbolic sizes
+  (B, S, R, L; B, P, H, N), so one binary serves them all, also under `jax.export`;
+- its abstract evaluation returns plain shapes, so its outputs lose their operands'
+  types (sharding, `shard_map`'s varying axes); each primitive here types its outputs
+  as operands of theirs (a cache buffer as the one it aliases);
+- its lowering is registered for the CUDA platform alone; `register_cuda_lowering` lowers
+  the call wherever CUDA is among a program's platforms (an export for ["cuda", "cpu"]
+  too) and raises an error naming the entry point where it is not.
+The aliases (cache buffers written in place) come from the kernel's signature, counted
+among the operands that are there (an absent conv_bias or layer takes no buffer).
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+from jax.interpreters import mlir
+
+
+def among_present(aliases, present) -> dict:
+    """{input: output} aliases with the inputs counted among the present ones only."""
+    position = {i: sum(present[:i]) for i in range(len(present)) if present[i]}
+    return {position[i]: o for i, o in aliases}
+
+
+def for_xla(kernel, arch: str, options: str):
+    """The binding of `jax_kda.kernels.compile.compiled` for the custom call: `kernel`
+    compiled for `arch` (which `options` names) and XLA's FFI (CuTe DSL's call target),
+    on its signature at symbolic sizes, row-major buffers. CuTe DSL dumps the object
+    only for the arch it takes itself to run on (sm_100a on a host without a GPU), so
+    that is `arch` while it compiles."""
+    from cutlass.cutlass_dsl.cutlass import CuTeDSL
+    from cutlass.jax.compile import Arg, FunctionSpec, get_or_compile_kernel
+    from cutlass.jax.types import default_tensor_spec
+
+    signature = kernel.signature(*jax.export.symbolic_shape(", ".join(kernel.dims)))
+    present = tuple(operand is not None for operand in signature.inputs)
+    args = [Arg(i, shape, dtype, default_tensor_spec(shape))
+            for i, (shape, dtype) in enumerate(
+                [operand for operand in signature.inputs if operand is not None]
+                + list(signature.outputs))]
+    in_args, out_args = tuple(args[:sum(present)]), tuple(args[sum(present):])
+    out_args = tuple(dataclasses.replace(a, idx=j) for j, a in enumerate(out_args))
+    aliases = among_present(signature.aliases, present)
+    kernel_outputs = [j for j in range(len(out_args)) if j not in aliases.values()]
+    spec = FunctionSpec(
+        in_args=in_args,
+        input_tree=jax.tree.structure(tuple(0 if there else None for there in present)),
+        out_args=out_args,
+        output_tree=jax.tree.structure(tuple(kernel_outputs)),
+        input_output_aliases=tuple(sorted(aliases.items())),
+        input_spec=tuple(a.spec for a in in_args),
+        output_spec=tuple(a.spec for a in out_args),
+        compile_options=options, use_static_tensors=False, kwargs=())
+    envar = CuTeDSL._get_dsl().envar
+    runtime = envar._arch
+    envar.arch = arch
+    try:
+        return get_or_compile_kernel(kernel, spec, compile_key=kernel)
+    finally:
+        envar._arch = runtime
+
+
+def launch(kernel, arrays, outputs):
+    """The FFI call of `kernel` (compiled once by `for_xla`) on the present input
+    `arrays`, with `outputs` (ShapeDtypeStructs); the aliased outputs are written in
+    place of their inputs."""
+    from cutlass.jax.ffi import _register_and_get_default_ffi_call_target
+
+    from jax_kda.kernels import compiled
+
+    binary = compiled(kernel, binding=for_xla)
+    call = jax.ffi.ffi_call(_register_and_get_default_ffi_call_target(True),
+                            result_shape_dtypes=outputs,
+                            input_output_aliases=dict(binary.spec.input_output_aliases))
+    return call(*arrays, module=binary.module, key=binary.fingerprint)
+
+
+def register_cuda_lowering(primitive, cuda_lowering, call):
+    """`cuda_lowering` (a function of the operands and params, as `mlir.lower_fun` takes
+    it) wherever the program is lowered for CUDA, beside other platforms too, and a
+    ValueError that names `call` where it is lowered for no CUDA at all. In a program
+    for several platforms `backend="auto"` reaches the call on CUDA only (its branch of
+    `jax.lax.platform_dependent`); an explicit "cutedsl" fails to compile elsewhere."""
+    lowered = mlir.lower_fun(cuda_lowering, multiple_results=True)
+
+    def lowering(ctx, *arrays, **params):
+        platforms = tuple(ctx.platforms or ctx.module_context.platforms)
+        if "cuda" not in platforms:
+            raise ValueError(
+                f"{call} backend='cutedsl': the CuTe DSL kernel runs on CUDA GPUs of compute "
+                f"capability >= 9.0, and this program is lowered for {platforms}; use "
+                f"backend='auto' or backend='jax'")
+        return lowered(ctx, *arrays, **params)
+
+    mlir.register_lowering(primitive, lowering)

@@ -2,7 +2,7 @@
 C = 1, 2, 4, 8 (record_tokens C T), H = 32, in steady state with every token accepted.
 A verify then starts from n = T, 2T, .., C T kept tokens (`measure.lazy_cycle`), and the
 last of them writes the state: the time per step is the mean over that cycle of each
-n's graph time (`timeline.Point`: one cache set per launch, the pending counts held at
+n's graph time (`graphs.Point`: one cache set per launch, the pending counts held at
 n). Each row also gives the bytes a step must move (the cycle's mean of
 `measure.verify_bytes`) over the measured copy bandwidth, and the cache per request.
 
@@ -30,7 +30,7 @@ from jax_kda.ffi import eager_verify, kernel_split
 from jax_kda.kernels import compile_verify
 from jax_kda.testing import random_cache, random_inputs, random_params
 from peers import host_to_cuda
-from timeline import H, Point
+from graphs import H, Point
 
 def check(T, C, heads=4, B=4):
     """Worst errors of one eager step against the XLA backend on the CPU: out in bf16

@@ -29,47 +29,8 @@ COLUMNS = (  # (impl, label) of the per-T tables
 FLA_EXPECTED_US = {1: 11.5, 64: 221.0, 256: 976.0}
 LAZY_TARGETS_US = {256: 240.0, 64: 66.0}  # the lazy checkpoint's, C = 4, T = 4
 COPY_EXPECTED_TBPS = 4.14
-WHAT_WAS_TIMED = """\
-- **ours (kernel, eager)**: the fused CuTe DSL kernel through `jax_kda.ffi.eager_verify` on
-  torch tensors (no XLA): CUDA events around each launch (`events`), and CUDA-graph replay
-  of a captured sequence of launches, one per operand set (`graph`, for B <= 256). A
-  verify leaves its record rows awaiting an accept (pending -1), so the pending counts
-  are restored before each launch or replay, outside the timing: every launch replays
-  the same n tokens. Split `auto` is the split `kernel_split` picks; the bytes are the
-  state read once and written once per request with n > 0, the n accepted and T new
-  records, the conv history (3 positions) and the window (T + 3 positions written),
-  the inputs, pending, the output and the weights.
-- **ours (jitted fused_verify)**: `fused_verify(..., backend="cutedsl")` and `accept` inside
-  a jitted `lax.fori_loop` of N calls with the cache carried (donated): the per-call
-  time includes the accept's own kernel, XLA's launch gaps and small dynamic slices of
-  the slot, record-row and accepted-count arrays per call (the state rotates through
-  the slots; the token inputs stay the same), and each iteration of XLA's while loop,
-  whose condition XLA on GPUs can read back on the host: an upper bound on the cost of
-  a call under jit; the decoder step below measures straight-line steps. Wall clock over
-  the whole loop / N.
-- **XLA backend / stock_verify (XLA)**: `fused_verify(..., backend="jax")` (the chunked
-  form in XLA) and `jax_kda.ref.stock_verify` (the per-token `lax.scan`, jitted) in the
-  same fori_loop with `accept`: what a JAX user has without the kernel. Their cache
-  holds only the B + 1 slots of the batch (no rotation), so at small B their state may
-  sit in L2, which favours them.
-- **fla recurrence**: `fla.ops.kda.fused_recurrent.fused_recurrent_kda_fwd` (fla-core
-  wheel, Triton) as vLLM's spec-decode path calls it: state pool updated in place, per-token
-  state indices [B, T] and accepted counts [B] (one FP32 state written per verify token),
-  gate (lower bound, A_log, dt_bias), beta sigmoid and q/k L2 norms in the kernel,
-  value-first state layout (ours), on q, k, v from the conv and the raw gate. Its bytes:
-  one state read, T states written, q/k/v/g/beta in, output out.
-- **fla pipeline**: the whole stock verify: `causal_conv1d_fwd` three times (q, k, v:
-  the window as initial state, the new window as final state, SiLU), the gate
-  up-projection as a bf16 `torch.matmul` (the model's linear layer), the recurrence above,
-  and `layer_norm_gated_fwd` (RMS, sigmoid gate). Its fraction is taken on *our* bytes
-  (the minimum the operation must move), so it compares directly with ours.
-- Operand sets rotate (distinct state slots, records and inputs per set; enough sets that
-  one cycle touches >= 512 MiB, at most 64, and for our eager kernel at least 8) so a
-  repeated call does not find its state in the 60 MB L2. For ours (eager) and fla each
-  set also has its own copy of the weights, cold when its call runs, as each layer's
-  are in a model; the XLA loops keep one set (their loop would slice stacked weights
-  per call). The copy bandwidth is `dst.copy_(src)` of 1 GiB, bytes read + written.
-"""
+WHAT_WAS_TIMED = ("Each row's method (the implementation, the timer, the bytes counted) is in "
+                  "[docs/performance.md](../docs/performance.md), \"How it is measured\".")
 DECODER_TEXT = """\
 What a JAX decoder gets (`benchmarks/decoder.py`): one speculative step of {layers}
 layers (H = {heads}, T = {tokens}), jitted with the cache donated. **scan**: stacked params

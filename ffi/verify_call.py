@@ -23,7 +23,6 @@ import jax.numpy as jnp
 from jax_kda import kernel_abi
 from jax_kda.config import K, KdaConfig
 from jax_kda.ffi import lowering
-from jax_kda.ffi.launch import kernel_split, solo_ctas
 from jax_kda.pytrees import KdaCache, KdaParams, VerifyInputs
 
 verify_p = jax.extend.core.Primitive("jax_kda_verify")
@@ -33,17 +32,14 @@ OUT = [op.name for op in kernel_abi.OUTPUTS].index("out")
 
 
 def cutedsl_verify(params: KdaParams, cache: KdaCache, inputs: VerifyInputs, layer=None, *,
-                   config: KdaConfig, split: int | None = None, solo: bool | None = None):
+                   config: KdaConfig, split: int, solo: bool):
     """The fused CuTe DSL verify on checked arguments (`fused_verify` checks them):
     (out [B, T, H, K] bf16, cache). layer: the int32 layer of stacked params and
-    cache, or None. split: CTAs per (request, head), None: `kernel_split`'s (which
-    config.split None lets pick); solo: whether each CTA takes an SM of its own, None:
-    `solo_ctas`'."""
+    cache, or None. split, solo: the launch the plan chose (`jax_kda.backends`): CTAs
+    per (request, head), and whether each CTA takes an SM of its own."""
     from jax_kda.kernels import FusedVerify
 
     B = inputs.slots.shape[0]
-    split = kernel_split(config, B) if split is None else split
-    solo = solo_ctas(config, B, split) if solo is None else solo
     kernel = FusedVerify(dataclasses.replace(config, split=split), split,
                          has_bias=params.conv_bias is not None,
                          conv_dtype=jnp.dtype(params.conv_weight.dtype).name,

@@ -148,8 +148,8 @@ def _verify_with(launch: Launch | None):
     from jax_kda.ffi import cutedsl_verify  # the kernel's custom call, lazily
 
     def run(params, cache, inputs, layer, *, config: KdaConfig):
-        return cutedsl_verify(params, cache, inputs, layer,
-                              config=dataclasses.replace(config, split=launch.split))
+        return cutedsl_verify(params, cache, inputs, layer, config=config, split=launch.split,
+                              solo=launch.solo)
 
     return run
 

@@ -42,7 +42,7 @@ def accept(cache: KdaCache, record_rows, accepted, config: KdaConfig, *,
     `nodes`, O(B T) entries) is read and written.
     """
     check_accept(cache, record_rows, accepted, config, path)
-    shared = dict(pending=cache.pending, nodes=cache.nodes)
+    shared = dict(cache=dict(pending=cache.pending, nodes=cache.nodes))
     requests = dict(record_rows=record_rows, accepted=accepted, path=path)
     _, counted = _accept_entry(config.tokens, config.rq)(shared, requests)
     return dataclasses.replace(cache, **counted)
@@ -55,8 +55,9 @@ def _accept_entry(tokens: int, record_tokens: int):
     and nodes go through it: the cache's other leaves pass by, differentiable as they
     are."""
     def run(shared, requests):
-        return None, _accept(shared["pending"], shared["nodes"], requests["record_rows"],
-                             requests["accepted"], requests["path"], tokens, record_tokens)
+        return None, _accept(shared["cache"]["pending"], shared["cache"]["nodes"],
+                             requests["record_rows"], requests["accepted"], requests["path"],
+                             tokens, record_tokens)
 
     return request_batched("accept", run)
 

@@ -3,7 +3,7 @@
 # stall samples per SASS instruction (SourceCounters) for one launch at each point
 # B,T,SPLIT given, exported as CSV under DIR (the source page, and the top
 # instructions by samples in hot_B_T_SPLIT.txt). Run from the repository root with
-# CuTe DSL and Nsight Compute installed:  bash benchmarks/hotspots.sh DIR 64,4,1 1,4,2
+# CuTe DSL and Nsight Compute installed:  bash tools/kernel_lab/hotspots.sh DIR 64,4,1 1,4,2
 set -u
 OUT=$1
 shift
@@ -14,7 +14,7 @@ for point in "$@"; do
   JAX_PLATFORMS=cpu ncu --clock-control none --section SourceCounters \
       --section WarpStateStats --section SchedulerStats -k regex:kernel \
       --launch-skip 2 --launch-count 1 -f -o "$OUT/$name" \
-      python benchmarks/ncu_target.py "$B" "$T" "$SPLIT" > "$OUT/$name.log" 2>&1
+      python tools/kernel_lab/ncu_target.py "$B" "$T" "$SPLIT" > "$OUT/$name.log" 2>&1
   ncu -i "$OUT/$name.ncu-rep" --page source --csv --print-source sass \
       > "$OUT/$name.csv" 2>> "$OUT/$name.log"
   ncu -i "$OUT/$name.ncu-rep" --page details --csv > "$OUT/${name}_details.csv" 2>&1

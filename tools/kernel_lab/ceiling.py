@@ -9,7 +9,7 @@ bytes alone. The copy bandwidth is the benchmark's (`measure.copy_bandwidth`).
 `resident` CTAs per SM are forced by padding shared memory (2: the verify's own 90 KB at
 T = 4) and by the register cap.
 
-    JAX_PLATFORMS=cpu python benchmarks/ceiling.py [B,T,SPLIT ...]
+    JAX_PLATFORMS=cpu python tools/kernel_lab/ceiling.py [B,T,SPLIT ...]
 """
 import argparse
 import json
@@ -27,8 +27,9 @@ from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream
 from jax_kda.kernels.fused import THREADS
 from jax_kda.kernels.fused_layout import FusedLayout
 from jax_kda.kernels.primitives import aligned, bulk_copy, load_vec, row_major, wide
-import measure  # benchmarks/, on sys.path as the script's folder
-from timeline import Point
+import bench_path  # noqa: F401 - benchmarks/ on sys.path
+import measure
+from graphs import Point
 
 SHARED_PER_SM = 227 * 1024  # what the CTAs of one SM may share on sm_90
 

@@ -4,7 +4,7 @@ replays its requests' pending tokens (a verify leaves them awaiting an accept). 
 data is built on the CPU; the only kernels are the verify's.
 
     JAX_PLATFORMS=cpu ncu --clock-control none --set full -k regex:kernel \
-        --launch-skip 2 --launch-count 1 python benchmarks/ncu_target.py B T SPLIT
+        --launch-skip 2 --launch-count 1 python tools/kernel_lab/ncu_target.py B T SPLIT
 """
 import sys
 
@@ -15,6 +15,7 @@ import torch
 from jax_kda import KdaConfig
 from jax_kda.ffi import eager_verify
 from jax_kda.testing import random_cache, random_inputs, random_params
+import bench_path  # noqa: F401 - benchmarks/ on sys.path
 from peers import host_to_cuda
 
 H, LAUNCHES = 32, 4

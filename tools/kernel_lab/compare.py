@@ -6,7 +6,7 @@ alternating ROUNDS times so that clock and thermal drift fall on all of them.
 
     mkdir -p /tmp/base && for f in fused primitives; do git show REV:jax_kda/kernels/$f.py \
       | sed 's/jax_kda.kernels.primitives/primitives/' > /tmp/base/$f.py; done
-    JAX_PLATFORMS=cpu python benchmarks/compare.py --baseline /tmp/base 64,4,1 1,4,2
+    JAX_PLATFORMS=cpu python tools/kernel_lab/compare.py --baseline /tmp/base 64,4,1 1,4,2
 
 A point B,T,SPLIT,C,N runs the lazy checkpoint (checkpoint_every C) with every request
 holding N kept tokens, as in `timeline.py`.
@@ -36,7 +36,9 @@ import torch
 
 from jax_kda.kernels import FusedVerify, compiled
 from jax_kda.kernels.fused import STAMPS
-from timeline import Point, cute_tensors, summarize
+import bench_path  # noqa: F401 - benchmarks/ on sys.path
+from graphs import Point, cute_tensors
+from timeline import summarize
 
 ROUNDS = 3
 CACHE_FIELDS = ("state", "conv", "corrections", "key_gates", "pending")

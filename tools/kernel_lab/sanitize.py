@@ -6,7 +6,7 @@ an out-of-range layer (every row padding); each with checkpoint_every 1, 2 and 4
 record rows' kept counts spread over 0..RQ: verifies that keep and ones that write).
 The data is built on the CPU, so that the only GPU work is the kernel and the copies.
 
-    JAX_PLATFORMS=cpu compute-sanitizer --tool memcheck python benchmarks/sanitize.py [SPLIT ...]
+    JAX_PLATFORMS=cpu compute-sanitizer --tool memcheck python tools/kernel_lab/sanitize.py [SPLIT ...]
 """
 import sys
 
@@ -16,6 +16,7 @@ import torch
 from jax_kda import KdaConfig
 from jax_kda.ffi import eager_verify
 from jax_kda.testing import random_cache, random_inputs, random_params
+import bench_path  # noqa: F401 - benchmarks/ on sys.path
 from peers import host_to_cuda
 
 SLOTS, RECORDS, LAYERS = 9, 7, 2

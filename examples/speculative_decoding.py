@@ -8,7 +8,11 @@ downloads), so the text is meaningless but every number is reproducible.
 
 The draft is the target's bigram: embedding -> final norm -> unembedding, no layers. It
 is stateless and cheap, and it agrees with the target only where the layers do not
-change the argmax, which gives realistic partial acceptance.
+change the argmax, which gives realistic partial acceptance. `--draft tree` drafts a
+token tree instead (`draft_tree`: the bigram's top-1 chain with its top-2 token beside
+the chain's first T // 4 levels), verifies it in one step (`VerifyInputs.parents`) and
+accepts the longest path whose tokens the target's argmax picks (`accept(...,
+path=)`); `--draft both` runs the chain and the tree on the same prompts.
 
 The layers are stacked: every block weight, the KDA layers' `KdaParams` included, has a
 leading [L] axis, and all layers share one `KdaCache` of `init_cache(..., layers=L)`.
@@ -81,7 +85,9 @@ PROGRESS_SECONDS = 5.0  # a progress line at most this often
 # differ by up to 2.2e-3 between them on CPU and H200.
 TIE = 1e-2
 TIMED_STEPS = 20  # full-batch decode steps timed on a GPU, in the loop and in the trace
-DECODE_UNROLL = True  # constant layer indices: no while loop, no per-step copy of layer weights
+# the layers in a straight line: 2.1x less GPU time than a while loop at B = 1
+# (docs/performance.md, "The decoder step")
+DECODE_UNROLL = True
 PREFILL_UNROLL = 1  # rolled: compile time flat in L, for a call made once per admission
 TP_AXIS = "tp"  # the mesh axis of --tp
 

@@ -31,6 +31,7 @@ from jax_kda.steps import prompt_step
 BACKENDS = ("auto", "jax", "cutedsl")
 KERNEL, XLA = "kernel", "xla"
 KERNEL_TOKENS = 8  # the verify kernel's largest T
+OPERANDS_KERNEL_SCALE = 2.0**60  # the largest query scale the operands kernel takes
 
 
 def _cuda_major(device) -> int | None:
@@ -185,10 +186,18 @@ def scan_kernel_fits(config: KdaConfig) -> bool:
     return prompt_chunks.chunk_size(config.lower_bound) % 16 == 0
 
 
+def operands_kernel_fits(config: KdaConfig) -> bool:
+    """Whether the operands kernel takes the config: its chunks and sub-chunks at the
+    lower bound (>= about -5.2), and q scaled by at most 2^60 (its pair factors, around
+    each sub-chunk's middle token, reach 2^60 themselves: FP32's range ends at 2^128)."""
+    return (prompt_chunks.operands_kernel_fits(config.lower_bound)
+            and config.query_scale <= OPERANDS_KERNEL_SCALE)
+
+
 def prefill_plan(config: KdaConfig, backend: str) -> PrefillPlan:
     """The plan of a prefill: the scan in its kernel where the chunks suit it
     ("cutedsl" raises where they do not), the convolution and the operands in theirs
-    where the lower bound suits the operands kernel (>= about -5.2)."""
+    where the config suits the operands kernel (`operands_kernel_fits`)."""
     fits = scan_kernel_fits(config)
     if backend == "cutedsl" and not fits:
         raise ValueError(f"backend='cutedsl': the prefill's chunks of "
@@ -196,7 +205,7 @@ def prefill_plan(config: KdaConfig, backend: str) -> PrefillPlan:
                          f"{config.lower_bound}) are not a multiple of 16; use backend='jax'")
     if backend == "jax" or not fits or (backend == "auto" and not kernel_available()):
         return PrefillPlan(ALL_XLA, ALL_XLA)
-    near = KERNEL if prompt_chunks.operands_kernel_fits(config.lower_bound) else XLA
+    near = KERNEL if operands_kernel_fits(config) else XLA
     stages = PrefillStages(near, near, KERNEL)
     return PrefillPlan(stages, stages if backend == "cutedsl" else ALL_XLA)
 

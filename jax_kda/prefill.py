@@ -11,13 +11,10 @@ products (`jax_kda.prompt_chunks`). Tokens past a piece's length are identities
 """
 from __future__ import annotations
 
-import functools
-
 from jax_kda.backends import check_backend, prefiller
 from jax_kda.config import KdaConfig
-from jax_kda.partitioning import per_head
 from jax_kda.pytrees import KdaCache, KdaParams, PrefillInputs
-from jax_kda.transforms import request_batched
+from jax_kda.transforms import per_head_entry
 from jax_kda.validate import check_prefill
 
 
@@ -55,18 +52,6 @@ def prefill(params: KdaParams, cache: KdaCache, inputs: PrefillInputs, config: K
     """
     check_backend(backend)
     layer = check_prefill(params, cache, inputs, config, layer)
-    return _entry(config, backend)(dict(params=params, cache=cache, layer=layer),
-                                   dict(inputs=inputs))
-
-
-@functools.lru_cache(maxsize=None)
-def _entry(config: KdaConfig, backend: str):
-    """The backend's prefill, split by heads where they are sharded (`per_head`), as
-    `transforms.request_batched` runs it: a mapped axis of the inputs folds into the
-    batch under `jax.vmap`, differentiation raises."""
-
-    def run(shared, requests):
-        return per_head(prefiller(backend), config, shared["params"], shared["cache"],
-                        requests["inputs"], shared["layer"])
-
-    return request_batched("prefill", run, instead="jax_kda.ref.stock_prefill (same signature)")
+    entry = per_head_entry("prefill", prefiller(backend), config,
+                           "jax_kda.ref.stock_prefill (same signature)")
+    return entry(dict(params=params, cache=cache, layer=layer), dict(inputs=inputs))

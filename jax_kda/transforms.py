@@ -9,8 +9,12 @@ in place), so they raise, naming the differentiable reference to use instead.
 """
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
+
+from jax_kda.partitioning import per_head
 
 
 def request_batched(name: str, body, instead: str | None = None):
@@ -57,3 +61,18 @@ def request_batched(name: str, body, instead: str | None = None):
                         f"{instead}")
 
     return refused
+
+
+@functools.lru_cache(maxsize=None)
+def per_head_entry(name: str, body, config, instead: str):
+    """The entry `name` over `body(params, cache, inputs, layer, *, config)`: split by
+    heads where they are sharded (`partitioning.per_head`), as `request_batched` runs
+    it (the inputs fold into the batch under `jax.vmap`, differentiation raises naming
+    `instead`). Call it with (dict(params=, cache=, layer=), dict(inputs=)); one object
+    per (name, body, config)."""
+
+    def run(shared, requests):
+        return per_head(body, config, shared["params"], shared["cache"], requests["inputs"],
+                        shared["layer"])
+
+    return request_batched(name, run, instead)

@@ -269,7 +269,8 @@ def check_inputs(cache: KdaCache, slots, record_rows, config: KdaConfig, *,
             m, count = -first - 1, min(max(int(accepted[b]), 0), T)
             for i, node in enumerate(path[b, :count].tolist()):
                 before = -1 if i == 0 else int(path[b, i - 1])
-                if not (0 <= node < T and 0 <= m + node < RQ and links[rows[b], m + node] == before):
+                inside = 0 <= node < T and 0 <= m + node < RQ
+                if not (inside and links[rows[b], m + node] == before):
                     problems.append(f"path[{b}, {i}]={node} is not "
                                     + ("node 0" if i == 0 else f"a child of node {before}")
                                     + f" in the awaited tree: the path ends there ({i} of "

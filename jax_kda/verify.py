@@ -3,13 +3,10 @@ commit, on the CuTe DSL kernel where it runs and in XLA elsewhere (the public en
 its checks, then the backend's plan per head shard, `jax_kda.backends`)."""
 from __future__ import annotations
 
-import functools
-
 from jax_kda.backends import check_backend, verifier
 from jax_kda.config import KdaConfig
-from jax_kda.partitioning import per_head
 from jax_kda.pytrees import KdaCache, KdaParams, VerifyInputs
-from jax_kda.transforms import request_batched
+from jax_kda.transforms import per_head_entry
 from jax_kda.validate import check_verify
 
 
@@ -48,19 +45,6 @@ def fused_verify(params: KdaParams, cache: KdaCache, inputs: VerifyInputs,
     """
     check_backend(backend)
     _, layer = check_verify(params, cache, inputs, config, layer)
-    return _entry(config, backend)(dict(params=params, cache=cache, layer=layer),
-                                   dict(inputs=inputs))
-
-
-@functools.lru_cache(maxsize=None)
-def _entry(config: KdaConfig, backend: str):
-    """The backend's verify, split by heads where they are sharded (`per_head`), as
-    `transforms.request_batched` runs it: a mapped axis of the inputs folds into the
-    batch under `jax.vmap`, differentiation raises."""
-
-    def run(shared, requests):
-        return per_head(verifier(backend), config, shared["params"], shared["cache"],
-                        requests["inputs"], shared["layer"])
-
-    return request_batched("fused_verify", run,
-                           instead="jax_kda.ref.stock_verify (same signature)")
+    entry = per_head_entry("fused_verify", verifier(backend), config,
+                           "jax_kda.ref.stock_verify (same signature)")
+    return entry(dict(params=params, cache=cache, layer=layer), dict(inputs=inputs))

@@ -40,8 +40,9 @@ def assert_same(actual, expected, what):
 def check_verify(verify, accept, params, cache, inputs, config, field, token, value, copy):
     """The scenario of this module for a verify(params, cache, inputs) -> (out, cache)
     and accept(cache, record_rows, accepted) -> cache, on a cache of one layer; request 0
-    must have records and a slot of its own, and config.rq must be config.tokens (each step rewrites every record
-    and window position). copy(cache): a fresh copy (for verifies that donate it)."""
+    must have records and a slot of its own, and config.rq must be config.tokens (each
+    step rewrites every record and window position). copy(cache): a fresh copy (for
+    verifies that donate it)."""
     bad = spoiled(inputs, field, token, value)
     out, after = verify(params, copy(cache), inputs)
     bad_out, bad_after = verify(params, copy(cache), bad)

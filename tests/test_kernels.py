@@ -191,14 +191,15 @@ def zero_prompts(B, P, H):
                          record_rows=jnp.arange(B, dtype=jnp.int32))
 
 
-@pytest.mark.parametrize("lower_bound,chunk", [(-5.0, 64), (-15.0, 32), (-30.0, 16)])
-def test_prefill_backends_lower_as_asked(lower_bound, chunk):
+@pytest.mark.parametrize("lower_bound,chunk,scale", [
+    (-5.0, 64, None), (-15.0, 32, None), (-30.0, 16, None), (-5.0, 64, 1e30)])
+def test_prefill_backends_lower_as_asked(lower_bound, chunk, scale):
     """backend='cutedsl' lowers the prefill's scan over chunks to one CuTe DSL custom call
     on [B, H, N, chunk, K] operands, with no loop left in the program, and at chunks of
-    64 (lower_bound >= -5.2) the convolution and the chunks' operands to two more, on
-    the token-major bf16 tensors before it; backend='jax' to XLA's while loop, with no
-    custom call."""
-    config = KdaConfig(heads=2, tokens=4, lower_bound=lower_bound)
+    64 (lower_bound >= -5.2) and query scales <= 2^60 the convolution and the chunks'
+    operands to two more, on the token-major bf16 tensors before it; backend='jax' to
+    XLA's while loop, with no custom call."""
+    config = KdaConfig(heads=2, tokens=4, lower_bound=lower_bound, scale=scale)
     _, cache, _ = example(config)
     params = random_params(jax.random.key(0), config)
     B, P = 2, 300  # 5 chunks or more: XLA's scan keeps its loop
@@ -208,7 +209,7 @@ def test_prefill_backends_lower_as_asked(lower_bound, chunk):
              for backend in ("cutedsl", "jax")}
     calls = [line for line in texts["cutedsl"].splitlines()
              if f"custom_call @{TARGET}" in line]
-    fits = chunk == 64
+    fits = chunk == 64 and scale is None
     assert len(calls) == 1 + 2 * fits and "stablehlo.while" not in texts["cutedsl"]
     N = -(-P // chunk)
     assert f"tensor<{B}x2x{N}x{chunk}x128xf32>" in calls[-1]

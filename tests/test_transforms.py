@@ -5,6 +5,7 @@ bitwise the unmapped call on the concatenated batch; a mapped cache, weights or 
 is refused naming the entry; differentiating through fused_verify, prefill or flush
 raises naming what to differentiate instead, and those references differentiate."""
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -151,23 +152,18 @@ DERIVATIVES = {
 }
 
 # entry: (the new state as a function of the cache's state, what the error says)
-REFUSED = {
-    "fused_verify-jax": (
-        lambda p, c, i, pieces: fused_verify(p, c, i, CONFIG, backend="jax")[1],
-        r"differentiate jax_kda\.ref\.stock_verify \(same signature\)"),
-    "fused_verify-auto": (
-        lambda p, c, i, pieces: fused_verify(p, c, i, CONFIG, backend="auto")[1],
-        r"differentiate jax_kda\.ref\.stock_verify \(same signature\)"),
-    "prefill-jax": (
-        lambda p, c, i, pieces: prefill(p, c, pieces, CONFIG, backend="jax")[1],
-        r"differentiate jax_kda\.ref\.stock_prefill \(same signature\)"),
-    "prefill-auto": (
-        lambda p, c, i, pieces: prefill(p, c, pieces, CONFIG, backend="auto")[1],
-        r"differentiate jax_kda\.ref\.stock_prefill \(same signature\)"),
-    "flush": (
-        lambda p, c, i, pieces: flush(p, c, i.slots, i.record_rows, CONFIG),
-        r"differentiate jax_kda\.ref\.stock_prefill on a resumed piece of length 0"),
+STEPS = {
+    "fused_verify": lambda p, c, i, pieces, backend: fused_verify(p, c, i, CONFIG,
+                                                                  backend=backend)[1],
+    "prefill": lambda p, c, i, pieces, backend: prefill(p, c, pieces, CONFIG,
+                                                        backend=backend)[1],
 }
+REFUSED = {f"{name}-{backend}": (functools.partial(step, backend=backend),
+                                 rf"differentiate jax_kda\.ref\.stock_{name.split('_')[-1]} "
+                                 r"\(same signature\)")
+           for name, step in STEPS.items() for backend in ("jax", "auto")}
+REFUSED["flush"] = (lambda p, c, i, pieces: flush(p, c, i.slots, i.record_rows, CONFIG),
+                    r"differentiate jax_kda\.ref\.stock_prefill on a resumed piece of length 0")
 
 
 @pytest.mark.parametrize("derivative", list(DERIVATIVES))

@@ -47,41 +47,28 @@ def pair_products(q, k, d):
             jnp.where(lower_mask(T), Bm, 0.0))
 
 
-def tree_pair_decays(d, parents):
-    """gamma [B, H, T, K] and P [B, H, T, T, K] of a tree (`tree.node_parents`'
-    parents [B, T]): gamma_t the product of the decays on node t's path, P[s, t] that of
-    the nodes on t's path after s, for s an ancestor of t or t itself (1 elsewhere), each
-    a product of decays as the stock loop applies them."""
+def tree_pair_products(q, k, d, parents, strict):
+    """(gamma, A, Bm) of a tree (`tree.node_parents`' parents [B, T]; strict: its
+    `tree.ancestor_mask`): gamma_t the product of the decays on node t's path; A[t, s]
+    (s a strict ancestor of t) and Bm[t, s] (s an ancestor of t or t) with P(s, t) the
+    product of the decays of the nodes on t's path after s, as the stock loop applies
+    them; zero off the paths."""
     B, H, T, K = d.shape
-    on_path = ancestor_mask(parents) | jnp.eye(T, dtype=bool)  # [B, t, s]
-    gamma, pairs = [], []
-    for t in range(T):
-        parent = parents[:, t]
-        at = jnp.clip(parent, 0, max(t - 1, 0))[:, None, None, None]
-        if t:
-            before = jnp.take_along_axis(jnp.stack(gamma, axis=2), at, axis=2)[:, :, 0]
-            above = jnp.take_along_axis(jnp.stack(pairs, axis=3), at[..., None], axis=3)[..., 0, :]
-        else:
-            before, above = jnp.ones_like(d[:, :, 0]), jnp.ones((B, H, T, K), d.dtype)
-        first = (parent < 0)[:, None, None]
-        gamma.append(d[:, :, t] * jnp.where(first, 1.0, before))
-        # P[s, t] = d_t P[s, parent(t)] for s a strict ancestor; 1 for s = t and off the path
-        ancestor = (on_path[:, t] & (jnp.arange(T) != t))[:, None, :, None]  # [B, 1, s, 1]
-        pairs.append(jnp.where(ancestor, d[:, :, t, None] * jnp.where(first[..., None], 1.0,
-                                                                     above), 1.0))
-    return jnp.stack(gamma, axis=2), jnp.stack(pairs, axis=3)
-
-
-def tree_pair_products(q, k, d, parents):
-    """A [B, H, T, T] (A[t, s], s a strict ancestor of t), Bm [B, H, T, T] (Bm[t, s], s
-    an ancestor of t or t) and gamma of a tree; zero off the paths."""
-    gamma, P = tree_pair_decays(d, parents)
-    decayed_keys = k[:, :, :, None] * P  # [B, H, s, t, K]
+    gamma, pairs = [d[:, :, 0]], [jnp.ones((B, H, T, K), d.dtype)]  # node 0: no ancestor
+    for t in range(1, T):  # node t's parent is a node before it: its columns are made
+        at = parents[:, t, None, None, None]
+        before = jnp.take_along_axis(jnp.stack(gamma, axis=2), at, axis=2)[:, :, 0]
+        above = jnp.take_along_axis(jnp.stack(pairs, axis=3), at[..., None], axis=3)
+        gamma.append(d[:, :, t] * before)
+        # P[s, t] = d_t P[s, parent(t)] for s a strict ancestor of t, 1 elsewhere
+        ancestor = strict[:, None, t, :, None]  # [B, 1, s, 1]
+        pairs.append(jnp.where(ancestor, d[:, :, t, None] * above[..., 0, :], 1.0))
+    decayed_keys = k[:, :, :, None] * jnp.stack(pairs, axis=3)  # [B, H, s, t, K]
     A = jnp.einsum("bhstc,bhtc->bhts", decayed_keys, k, precision=HIGHEST)
     Bm = jnp.einsum("bhstc,bhtc->bhts", decayed_keys, q, precision=HIGHEST)
-    strict = ancestor_mask(parents)[:, None]  # [B, 1, t, s]
-    on_path = strict | jnp.eye(k.shape[2], dtype=bool)
-    return jnp.where(strict, A, 0.0), jnp.where(on_path, Bm, 0.0), gamma
+    on_path = strict | jnp.eye(T, dtype=bool)
+    return (jnp.stack(gamma, axis=2), jnp.where(strict[:, None], A, 0.0),
+            jnp.where(on_path[:, None], Bm, 0.0))
 
 
 def verify(state, q, k, v, beta, d, parents=None):
@@ -89,31 +76,22 @@ def verify(state, q, k, v, beta, d, parents=None):
 
     The K state rows are the right-hand sides of one T x T unit lower-triangular solve;
     the state is read by 2T dot products per row and never updated. parents: a tree's
-    ([B, T], `tree.node_parents`), each node then verified along its own path; None: a
-    chain.
+    ([B, T], `tree.node_parents`), each node then verified along its own path only (a
+    bad value in one branch reaches no other); None: a chain.
     """
-    if parents is not None:
-        return _tree_verify(state, q, k, v, beta, d, parents)
-    gamma = jax.lax.cumprod(d, axis=2)
-    w = jnp.einsum("bhrc,bhtc->bhtr", state, gamma * k, precision=HIGHEST)
-    y = jnp.einsum("bhrc,bhtc->bhtr", state, gamma * q, precision=HIGHEST)
-    A, Bm = pair_products(q, k, d)
     T = k.shape[2]
-    u = solve_unit_lower(beta[..., None] * A, beta[..., None] * (v - w),
-                         lower_mask(T, strict=True))
-    o = y + masked_product(Bm, u, lower_mask(T))
-    return u, round_bf16(o)
-
-
-def _tree_verify(state, q, k, v, beta, d, parents):
-    """`verify` of a tree: gamma, the pairs, the solve and o over each node's path only
-    (`tree.ancestor_mask`), so that a bad value in one branch reaches no other."""
-    A, Bm, gamma = tree_pair_products(q, k, d, parents)
+    if parents is None:
+        strict = lower_mask(T, strict=True)
+        gamma = jax.lax.cumprod(d, axis=2)
+        A, Bm = pair_products(q, k, d)
+    else:
+        strict = ancestor_mask(parents)  # [B, t, s]
+        gamma, A, Bm = tree_pair_products(q, k, d, parents, strict)
+        strict = strict[:, None]
     w = jnp.einsum("bhrc,bhtc->bhtr", state, gamma * k, precision=HIGHEST)
     y = jnp.einsum("bhrc,bhtc->bhtr", state, gamma * q, precision=HIGHEST)
-    strict = ancestor_mask(parents)[:, None]
     u = solve_unit_lower(beta[..., None] * A, beta[..., None] * (v - w), strict)
-    o = y + masked_product(Bm, u, strict | jnp.eye(k.shape[2], dtype=bool))
+    o = y + masked_product(Bm, u, strict | jnp.eye(T, dtype=bool))
     return u, round_bf16(o)
 
 

@@ -585,7 +585,7 @@ def test_chunk_operands_kernel_matches_xla():
     call = jax.jit(functools.partial(cutedsl_chunk_operands, lower_bound=config.lower_bound,
                                      scale=config.query_scale))
     got = call(*prompt, params.a_log, params.dt_bias)
-    # as `rows.convolved` leaves them: FP32 arrays of bf16 values
+    # as `layer.convolved` leaves them: FP32 arrays of bf16 values
     f32 = prompt._replace(y=prompt.y.astype(jnp.float32), raw_g=prompt.raw_g.astype(jnp.float32))
     expected = jax.jit(lambda p, t: chunk_operands(*token_vectors(p, t, config),
                                                    lower_bound=config.lower_bound))(

@@ -107,22 +107,22 @@ def test_episode_against_the_model(tokens, shape, implementation, draw):
 
 
 def test_a_chain_tree_is_the_chain(implementations, draw):
-    """parents t - 1 give the chain's results: bit for bit on the stock scan (the same
-    steps), within FP32 reordering on the XLA backend (a tree's masked form)."""
+    """parents t - 1 give the chain's results, within FP32 reordering (a tree's masked
+    form; the stock steps in a loop rather than a scan, which XLA may fuse otherwise)."""
     config = KdaConfig(heads=HEADS, tokens=5, trees=True)
     params = draw.params(draw.key(11), config)
     cache = draw.cache(draw.key(12), config, NUM_SLOTS, NUM_RECORDS)
     inputs = draw.inputs(draw.key(13), config, jnp.asarray([1, 2], jnp.int32),
                          jnp.asarray([0, 3], jnp.int32))
     chain = dataclasses.replace(inputs, parents=tree_of("chain", None, 2, 5))
-    for name, verify in implementations.items():
+    for verify in implementations.values():
         out, after = verify(params, cache, inputs, config)
         tree_out, tree_after = verify(params, cache, chain, config)
-        if name == "stock":
-            assert_same_bits(tree_out, out, "out")
         assert out_error(tree_out, out) <= 2**-8
         assert scaled_error(tree_after.corrections, after.corrections) <= 1e-6
-        for field in ("conv", "key_gates", "pending", "nodes"):
+        # the convolution's taps gathered rather than sliced: a fusion of its own
+        assert bf16_ulps(tree_after.key_gates, after.key_gates).max() <= 1
+        for field in ("conv", "pending", "nodes"):
             assert_same_bits(getattr(tree_after, field), getattr(after, field), field)
 
 

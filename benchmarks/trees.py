@@ -1,14 +1,14 @@
 """The token-tree section of the benchmark: one verify of a KDA layer (H = 32) on a tree of
 T nodes against a chain of T tokens, at T = 8 and 16 and B = 1, 16, 64, jitted with the
-cache donated, `backend="auto"` (the kernel where it takes the step: chains of T <= 8;
-trees and longer chains run in XLA) and the chain in XLA too (`backend="jax"`), so that
-a tree's cost over a chain shows on the same path.
+cache donated, `backend="auto"` (the kernel where it takes the step: T <= 8, chain or
+tree; longer steps run in XLA) and both in XLA too (`backend="jax"`), so that a tree's
+cost over a chain shows on each path.
 
-Correctness first: at each T, the tree's outputs in XLA against the stock reference on
-the same tree (the largest error, in bf16 units of the row's scale).
+Correctness first: at each T, the tree's outputs of both backends against the stock
+reference on the same tree (the largest error, in bf16 units of the row's scale).
 
-Each row: form (chain, chain-xla, tree), B, T, us (the GPU's time of a call: the span of
-its activities in JAX's profiler trace, median), backend, or error. Alone:
+Each row: form (chain, tree, chain-xla, tree-xla), B, T, us (the GPU's time of a call:
+the span of its activities in JAX's profiler trace, median), backend, or error. Alone:
 
     python benchmarks/trees.py --json trees.json [--points 1x8,16x8,...]
 """
@@ -30,7 +30,8 @@ from jax_kda.testing import random_cache, random_inputs, random_params, random_p
 
 POINTS = ((1, 8), (16, 8), (64, 8), (1, 16), (16, 16), (64, 16))
 CALLS = 20
-FORMS = {"chain": ("auto", False), "chain-xla": ("jax", False), "tree": ("auto", True)}
+FORMS = {"chain": ("auto", False), "tree": ("auto", True), "chain-xla": ("jax", False),
+         "tree-xla": ("jax", True)}
 
 
 def operands(B: int, T: int, tree: bool, seed: int = 0):
@@ -46,11 +47,11 @@ def operands(B: int, T: int, tree: bool, seed: int = 0):
             random_cache(jax.random.fold_in(key, 1), config, B + 1, B), inputs)
 
 
-def check(T: int) -> float:
-    """The XLA tree verify against the stock reference on one tree batch: the largest
-    |out - stock| over the row's mean |stock|, in bf16 units (2^-8)."""
+def check(T: int, backend: str) -> float:
+    """The tree verify of `backend` against the stock reference on one tree batch: the
+    largest |out - stock| over the row's mean |stock|, in bf16 units (2^-8)."""
     config, params, cache, inputs = operands(4, T, True, seed=T)
-    out, _ = fused_verify(params, cache, inputs, config, backend="jax")
+    out, _ = fused_verify(params, cache, inputs, config, backend=backend)
     ref, _ = jax.jit(stock_verify, static_argnames="config")(params, cache, inputs, config)
     out, ref = np.asarray(out, np.float64), np.asarray(ref, np.float64)
     scale = np.mean(np.abs(ref), axis=-1, keepdims=True) + 1e-30
@@ -77,8 +78,9 @@ def timed(form: str, B: int, T: int) -> dict:
 def run(args) -> list:
     rows = []
     for T in sorted({T for _, T in args.points}):
-        measure.emit(rows, dict(form="check", T=T, tree_vs_stock_bf16_units=check(T)),
-                     args.json)
+        for backend in ("auto", "jax"):
+            measure.emit(rows, dict(form="check", T=T, backend=backend,
+                                    tree_vs_stock_bf16_units=check(T, backend)), args.json)
     for B, T in args.points:
         for form in FORMS:
             try:

@@ -46,7 +46,9 @@ def eager_verify(params: KdaParams, cache: KdaCache, inputs: VerifyInputs, out,
     buffers are updated in place (jax arrays are immutable by contract: pass them only
     if nothing else reads them afterwards). layer: for stacked params and cache, a [1]
     int32 device array holding the layer to run; None for one layer's. stream: None
-    (the default stream), an int CUstream handle, or a cupy/torch stream.
+    (the default stream), an int CUstream handle, or a cupy/torch stream. With
+    config.trees, inputs.parents and cache.nodes are required (a chain's parents:
+    t - 1).
     """
     from cutlass.cute.runtime import from_dlpack
 
@@ -64,16 +66,20 @@ def eager_verify(params: KdaParams, cache: KdaCache, inputs: VerifyInputs, out,
     for name, dtype in own.items():
         if dtype not in ("float32", "bfloat16"):
             raise ValueError(f"{name}: expected float32 or bfloat16, got {dtype}")
+    has_bias = named["conv_bias"] is not None
     for op, array in zip(kernel_abi.OPERANDS, arrays):
-        if array is None and op.optional:
+        if not kernel_abi.present(op, has_bias, stacked, config.trees):
             continue
+        if array is None:
+            raise ValueError(f"{op.name}: required (config.trees={config.trees}), got None; "
+                             f"a tree build's chain is parents t - 1")
         shape, dtype = kernel_abi.shape(op, sizes, stacked), kernel_abi.dtype(op, own)
         if tuple(array.shape) != shape or _dtype_name(array) != dtype:
             raise ValueError(f"{op.name}: expected {list(shape)} {dtype}, "
                              f"got {list(array.shape)} {_dtype_name(array)}")
     split = kernel_split(config, B)
     compiled = compile_verify(dataclasses.replace(config, split=split), split,
-                              named["conv_bias"] is not None, own["conv_weight"],
+                              has_bias, own["conv_weight"],
                               own["norm_weight"], solo=solo_ctas(config, B, split),
                               stacked=stacked)
     tensors = [None if a is None else

@@ -13,7 +13,7 @@ The public `cutlass.jax.cutlass_call` is not enough, for three reasons:
   the call wherever CUDA is among a program's platforms (an export for ["cuda", "cpu"]
   too) and raises an error naming the entry point where it is not.
 The aliases (cache buffers written in place) come from the kernel's signature, counted
-among the operands that are there (an absent conv_bias or layer takes no buffer).
+among the operands that are there (an absent optional operand takes no buffer).
 """
 from __future__ import annotations
 

@@ -24,6 +24,7 @@ from jax_kda import kernel_abi
 from jax_kda.config import K, KdaConfig
 from jax_kda.ffi import lowering
 from jax_kda.pytrees import KdaCache, KdaParams, VerifyInputs
+from jax_kda.tree import node_parents
 
 verify_p = jax.extend.core.Primitive("jax_kda_verify")
 verify_p.multiple_results = True
@@ -40,6 +41,9 @@ def cutedsl_verify(params: KdaParams, cache: KdaCache, inputs: VerifyInputs, lay
     from jax_kda.kernels import FusedVerify
 
     B = inputs.slots.shape[0]
+    if config.trees and inputs.parents is None:  # the chain, as a tree build reads it
+        chain = jnp.broadcast_to(node_parents(None, config.tokens), (B, config.tokens))
+        inputs = dataclasses.replace(inputs, parents=chain)
     kernel = FusedVerify(dataclasses.replace(config, split=split), split,
                          has_bias=params.conv_bias is not None,
                          conv_dtype=jnp.dtype(params.conv_weight.dtype).name,
@@ -50,7 +54,7 @@ def cutedsl_verify(params: KdaParams, cache: KdaCache, inputs: VerifyInputs, lay
                                  kernel_abi.OPERANDS) if op.access != kernel_abi.WRITE]
     out = jax.ShapeDtypeStruct((B, config.tokens, config.heads, K), jnp.bfloat16)
     outputs = tuple(jax.ShapeDtypeStruct(a.shape, a.dtype) for a in kernel_abi.values(
-        None, cache, None, None, out, only=kernel_abi.OUTPUTS))
+        None, cache, None, None, out, only=kernel_abi.OUTPUTS) if a is not None)
     results = _call(*[a for a in arrays if a is not None], kernel=kernel, outputs=outputs)
     return results[0], KdaCache(*results[1:])
 
@@ -65,10 +69,10 @@ def _abstract(*arrays, kernel, outputs):
     # Each output has the type (sharding and shard_map's varying axes too) of an operand
     # of its shape and dtype: the cache that of the buffer it aliases, out [B, T, H, K]
     # bf16 that of gate.
-    present = [kernel_abi.present(op, kernel.has_bias, kernel.stacked)
+    present = [kernel_abi.present(op, kernel.has_bias, kernel.stacked, kernel.trees)
                for op in kernel_abi.INPUTS]
-    source = {o: i for i, o in lowering.among_present(kernel_abi.ALIASES.items(),
-                                                      present).items()}
+    aliases = kernel_abi.aliases(kernel.has_bias, kernel.stacked, kernel.trees)
+    source = {o: i for i, o in lowering.among_present(aliases.items(), present).items()}
     source[OUT] = sum(present[:GATE])
     return [arrays[source[o]] for o in range(len(outputs))]
 

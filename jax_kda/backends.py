@@ -30,7 +30,7 @@ from jax_kda.steps import prompt_step
 
 BACKENDS = ("auto", "jax", "cutedsl")
 KERNEL, XLA = "kernel", "xla"
-KERNEL_TOKENS = 8  # the verify kernel's largest T
+KERNEL_TOKENS = 8  # the verify kernel's largest T, chain or tree
 OPERANDS_KERNEL_SCALE = 2.0**60  # the largest query scale the operands kernel takes
 
 
@@ -100,12 +100,12 @@ class VerifyPlan:
 
 def kernel_takes(config: KdaConfig) -> None:
     """Raises ValueError, naming the need, where the verify kernel cannot run `config`
-    at all: it verifies chains of up to KERNEL_TOKENS tokens (trees and longer steps
+    at all: it verifies chains and trees of up to KERNEL_TOKENS tokens (longer steps
     run in XLA)."""
-    if config.trees or config.tokens > KERNEL_TOKENS:
-        raise ValueError(f"backend='cutedsl': the verify kernel takes chains of T <= "
-                         f"{KERNEL_TOKENS} tokens, got tokens={config.tokens}, "
-                         f"trees={config.trees}; use backend='auto' or backend='jax'")
+    if config.tokens > KERNEL_TOKENS:
+        raise ValueError(f"backend='cutedsl': the verify kernel takes T <= "
+                         f"{KERNEL_TOKENS} tokens, got tokens={config.tokens}; use "
+                         f"backend='auto' or backend='jax'")
 
 
 def verify_plan(config: KdaConfig, batch: int, backend: str) -> VerifyPlan:

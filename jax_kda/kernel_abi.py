@@ -7,7 +7,9 @@ from it.
 
 A shape is a tuple of sizes and symbols: B requests, T tokens, H heads, S slots, R
 record rows, RQ record tokens, W window positions (K = 128 and the conv's 4 taps are
-numbers). The weights and the cache of a stacked call carry a leading L as well.
+numbers). The weights and the cache of a stacked call carry a leading L as well. An
+optional operand is there in the builds of one flag (`Operand.needs`): conv_bias with a
+bias, layer when stacked, parents and nodes with trees.
 """
 from __future__ import annotations
 
@@ -22,16 +24,21 @@ OWN_DTYPE = "float32 or bfloat16"  # conv_weight's and norm_weight's own, compil
 @dataclasses.dataclass(frozen=True)
 class Operand:
     """One operand: `name` is its field in `tree` ("inputs", "params", "cache"; "layer"
-    the stacked call's layer index, "out" the output); `like` names the operand whose
-    dtype it shares when its own is OWN_DTYPE."""
+    the stacked call's layer index, "out" the output); `needs` the build flag without
+    which it is absent ("has_bias", "stacked", "trees"; None: always there); `like`
+    names the operand whose dtype it shares when its own is OWN_DTYPE."""
 
     name: str
     tree: str
     dims: tuple
     dtype: str
     access: str = READ
-    optional: bool = False
+    needs: str | None = None
     like: str | None = None
+
+    @property
+    def optional(self) -> bool:
+        return self.needs is not None
 
     @property
     def stacks(self) -> bool:
@@ -46,9 +53,11 @@ OPERANDS = (
     Operand("gate", "inputs", ("B", "T", "H", K), "bfloat16"),
     Operand("slots", "inputs", ("B",), "int32"),
     Operand("record_rows", "inputs", ("B",), "int32"),
-    Operand("layer", "layer", (1,), "int32", optional=True),
+    Operand("parents", "inputs", ("B", "T"), "int32", needs="trees"),
+    Operand("layer", "layer", (1,), "int32", needs="stacked"),
     Operand("conv_weight", "params", (3, CONV_TAPS, "H", K), OWN_DTYPE),
-    Operand("conv_bias", "params", (3, "H", K), OWN_DTYPE, optional=True, like="conv_weight"),
+    Operand("conv_bias", "params", (3, "H", K), OWN_DTYPE, needs="has_bias",
+            like="conv_weight"),
     Operand("a_log", "params", ("H",), "float32"),
     Operand("dt_bias", "params", ("H", K), "float32"),
     Operand("f_b", "params", ("H", K, K), "bfloat16"),
@@ -58,14 +67,13 @@ OPERANDS = (
     Operand("corrections", "cache", ("R", "H", "RQ", K), "float32", READ_WRITE),
     Operand("key_gates", "cache", ("R", "H", "RQ", 2, K), "bfloat16", READ_WRITE),
     Operand("pending", "cache", ("R", "H"), "int32", READ_WRITE),
+    Operand("nodes", "cache", ("R", "H", "RQ"), "int32", READ_WRITE, needs="trees"),
     Operand("out", "out", ("B", "T", "H", K), "bfloat16", WRITE),
 )
 NAMES = tuple(op.name for op in OPERANDS)
 INPUTS = tuple(op for op in OPERANDS if op.access != WRITE)  # the custom call's operands
 OUTPUTS = (tuple(op for op in OPERANDS if op.access == WRITE)
            + tuple(op for op in OPERANDS if op.access == READ_WRITE))
-# each read-write operand's input position -> its output position
-ALIASES = {INPUTS.index(op): OUTPUTS.index(op) for op in OPERANDS if op.access == READ_WRITE}
 
 
 def shape(op: Operand, sizes: dict, stacked: bool) -> tuple:
@@ -81,9 +89,17 @@ def sizes_of(config, B, S, R, L=None) -> dict:
                 W=config.window, L=L)
 
 
-def present(op: Operand, has_bias: bool, stacked: bool) -> bool:
-    """Whether a build with (or without) conv_bias, stacked or not, takes operand op."""
-    return not op.optional or (has_bias if op.name == "conv_bias" else stacked)
+def present(op: Operand, has_bias: bool, stacked: bool, trees: bool) -> bool:
+    """Whether a build with (or without) conv_bias, stacked or not, with trees or not,
+    takes operand op."""
+    return op.needs is None or dict(has_bias=has_bias, stacked=stacked, trees=trees)[op.needs]
+
+
+def aliases(has_bias: bool, stacked: bool, trees: bool) -> dict:
+    """A build's aliases: each present read-write operand's position among INPUTS (the
+    absent ones counted) -> its position among the build's present outputs."""
+    outputs = [op for op in OUTPUTS if present(op, has_bias, stacked, trees)]
+    return {INPUTS.index(op): outputs.index(op) for op in outputs if op.access == READ_WRITE}
 
 
 def dtype(op: Operand, own: dict) -> str:
@@ -93,7 +109,7 @@ def dtype(op: Operand, own: dict) -> str:
 
 def values(params, cache, inputs, layer, out=None, only=OPERANDS) -> list:
     """The arrays of the operands `only` (all, in launch order, by default) from their
-    pytrees (None for an absent conv_bias or layer)."""
+    pytrees (None for an absent optional one)."""
     trees = {"params": params, "cache": cache, "inputs": inputs}
     found = {"layer": layer, "out": out}
     return [found[op.tree] if op.tree in found else getattr(trees[op.tree], op.name)

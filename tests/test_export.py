@@ -1,14 +1,16 @@
 """backend="auto" decided per platform when the program is lowered (marker `kernels`:
-the kernels compile for sm_90a on this CPU host): a verify or a prefill exported from
-here for CUDA carries the kernels' custom calls, as backend="cutedsl" does; lowered for
-the CPU it neither lowers nor compiles a kernel and runs backend="jax"'s program; one
-artifact exported for ["cuda", "cpu"] carries both, its CPU path bitwise backend="jax"'s.
-Where the kernels cannot take the configuration, "auto" is the XLA path alone."""
+the kernels compile for sm_90a on this CPU host): a verify (of a chain or a tree) or a
+prefill exported from here for CUDA carries the kernels' custom calls, as
+backend="cutedsl" does; lowered for the CPU it neither lowers nor compiles a kernel and
+runs backend="jax"'s program; one artifact exported for ["cuda", "cpu"] carries both,
+its CPU path bitwise backend="jax"'s. Where the kernels cannot take the configuration, "auto" is the XLA path alone."""
+import dataclasses
 import functools
 from types import SimpleNamespace
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 pytest.importorskip("cutlass", reason="needs nvidia-cutlass-dsl")
@@ -19,12 +21,14 @@ from compare import assert_same_bits  # noqa: E402
 from jax_kda import KdaConfig, PrefillInputs, fused_verify, prefill  # noqa: E402
 from jax_kda.backends import cutedsl_supported, kernel_available  # noqa: E402
 from jax_kda.ffi import lowering  # noqa: E402
+from jax_kda.testing import random_parents  # noqa: E402
 
 pytestmark = pytest.mark.kernels
 
 TARGET = "CuteDSLRT_NvJaxCutlassCall_v2"
 NUM_SLOTS, NUM_RECORDS = 5, 4
-KERNELS = {"verify": 1, "prefill": 3}  # prefill: convolution, chunk operands, scan (chunks of 64)
+KERNELS = {"verify": 1, "tree verify": 1,
+           "prefill": 3}  # prefill: convolution, chunk operands, scan (chunks of 64)
 
 
 def verify_step(draw, config=KdaConfig(heads=2, tokens=4, split=2)):
@@ -34,6 +38,13 @@ def verify_step(draw, config=KdaConfig(heads=2, tokens=4, split=2)):
             draw.inputs(draw.key(53), config, jnp.asarray([1, 4, 2], jnp.int32),
                         jnp.asarray([0, 3, 1], jnp.int32)))
     return functools.partial(fused_verify, config=config), args
+
+
+def tree_step(draw, config=KdaConfig(heads=2, tokens=4, split=2, trees=True)):
+    """`verify_step` of a token tree: random parents per request."""
+    step, (params, cache, inputs) = verify_step(draw, config)
+    parents = random_parents(np.random.default_rng(57), 3, config.tokens)
+    return step, (params, cache, dataclasses.replace(inputs, parents=parents))
 
 
 def prefill_step(draw, config=KdaConfig(heads=2, tokens=4)):
@@ -52,7 +63,7 @@ def prefill_step(draw, config=KdaConfig(heads=2, tokens=4)):
     return functools.partial(prefill, config=config), args
 
 
-STEPS = {"verify": verify_step, "prefill": prefill_step}
+STEPS = {"verify": verify_step, "tree verify": tree_step, "prefill": prefill_step}
 
 
 def exported(step, platforms, args):

@@ -25,7 +25,9 @@ from jax_kda.prompt_chunks import scan_chunks
 from jax_kda.ref import stock_verify
 from jax_kda.testing import random_cache, random_inputs, random_params
 from jax_kda import cutedsl_supported
+from numpy_model import tree_parents
 from poison import poison
+from tree_shapes import SHAPES, a_path, check_bad_branch, tree_of
 
 pytestmark = [
     pytest.mark.gpu,
@@ -143,7 +145,9 @@ def run_episode(config, seed, *, conv_dtype=jnp.float32, norm_dtype=jnp.float32,
     """`steps` verifies of the kernel with random accepted counts (0..T) in between;
     before each, both references run on the CPU from the kernel's cache, so that every
     step is checked alone (the records' bf16 flips do not compound into the next
-    step's checkpoint)."""
+    step's checkpoint). With trees, step s verifies trees of shape SHAPES[s % 4] and
+    accepts a random path of each (`tree_shapes.a_path`), the second step's broken
+    after its first node."""
     rng = np.random.default_rng(seed)
     key = jax.random.key(seed)
     params = random_params(jax.random.fold_in(key, 0), config, conv_dtype=conv_dtype,
@@ -161,6 +165,9 @@ def run_episode(config, seed, *, conv_dtype=jnp.float32, norm_dtype=jnp.float32,
     for s in range(steps):
         cache = poison(cache, config, slots, rows)
         inputs = random_inputs(jax.random.fold_in(key, 10 + s), config, slots, rows)
+        if config.trees:
+            inputs = dataclasses.replace(inputs, parents=tree_of(
+                SHAPES[s % len(SHAPES)], rng, len(rows), config.tokens))
         on_cpu = jax.device_put((params, cache, inputs), CPU)
         out_ref, cache_ref = xla_jit(*on_cpu, config=config)
         out_stock, cache_stock = stock_jit(*on_cpu, config=config)
@@ -172,6 +179,14 @@ def run_episode(config, seed, *, conv_dtype=jnp.float32, norm_dtype=jnp.float32,
         check(f"{case} step{s}", "xla", out, cache, out_ref, cache_ref, zero_rows)
         check(f"{case} step{s}", "stock", out, cache, out_stock, cache_stock, zero_rows,
               slack=drift)
+        if config.trees:
+            paths, counts = zip(*(a_path(rng, tree_parents(p, config.tokens),
+                                         config.tokens) for p in np.asarray(inputs.parents)))
+            path = jnp.asarray(paths, jnp.int32)
+            if s == 1:
+                path = path.at[0, 1].set((path[0, 1] + 1) % config.tokens)
+            cache = accept(cache, rows, jnp.asarray(counts, jnp.int32), config, path=path)
+            continue
         accepted = jnp.asarray(rng.integers(0, config.tokens + 1, len(rows)), jnp.int32)
         cache = accept(cache, rows, accepted, config)
 
@@ -220,6 +235,43 @@ def test_parity_lazy_checkpoint(tokens, every, split):
     that write it, against both references."""
     config = KdaConfig(heads=3, tokens=tokens, checkpoint_every=every, split=split)
     run_episode(config, seed=500 + 10 * tokens + every, steps=2 * every + 2)
+
+
+TREES = [(T, split) for T in (2, 5, 8) for split in (1, 2, 4, 8)]
+
+
+@pytest.mark.parametrize("tokens,split", TREES, ids=[f"T{T}-split{s}" for T, s in TREES])
+def test_parity_trees(tokens, split):
+    """Token trees of every shape, with path accepts, against both references."""
+    config = KdaConfig(heads=3, tokens=tokens, gate_mode=tokens % 2, split=split, trees=True)
+    run_episode(config, seed=700 + 10 * tokens + split, steps=4)
+
+
+@pytest.mark.parametrize("split", (1, 2, 8), ids=lambda s: f"split{s}")
+def test_a_chain_tree_is_the_chain_bit_for_bit(split):
+    """The tree build given parents t - 1 and its kept tokens at positions 0 .. n - 1
+    computes the chain build's bits: a selected factor of 1 and a sum's selected term
+    are exact (nodes aside, which only it has)."""
+    chain = KdaConfig(heads=3, tokens=6, split=split)
+    tree = dataclasses.replace(chain, trees=True)
+    params, cache, inputs = problem(chain, seed=61 + split, edge_cases=True)
+    nodes = jnp.broadcast_to(jnp.arange(tree.rq, dtype=jnp.int32),
+                             (NUM_RECORDS, tree.heads, tree.rq))
+    out, after = kernel_step(chain)(params, copy(cache), inputs)
+    tree_out, tree_after = kernel_step(tree)(
+        params, dataclasses.replace(copy(cache), nodes=nodes),
+        dataclasses.replace(inputs, parents=tree_of("chain", None, 6, 6)))
+    assert bits(tree_out) == bits(out)
+    assert bits(dataclasses.replace(tree_after, nodes=None)) == bits(after)
+
+
+@pytest.mark.parametrize("split", (1, 2), ids=lambda s: f"split{s}")
+def test_a_bad_branch_reaches_no_other(split):
+    """tests/tree_shapes.py's `check_bad_branch` on the kernel: a NaN in x.v of node 3."""
+    config = KdaConfig(heads=3, tokens=5, split=split, trees=True)
+    params, cache, inputs = problem(config, seed=95 + split, edge_cases=False)
+    check_bad_branch(kernel_step(config), lambda i: bad_values.spoiled(i, "x.v", 3, "nan"),
+                     params, lambda: copy(cache), inputs, config, copy=copy)
 
 
 def test_split_none_and_one_head():

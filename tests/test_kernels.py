@@ -52,13 +52,14 @@ def exported(function, *args):
         export.DisabledSafetyCheck.custom_call(TARGET)])(*args)
 
 
-@pytest.mark.parametrize("conv_bias, layers", [(True, None), (False, None), (True, 3)],
-                         ids=["bias", "no-bias", "stacked"])
-def test_export_aliases_the_cache_in_place(conv_bias, layers):
-    """The exported module holds one CuTe DSL custom call whose outputs 1..5 alias the
-    cache operands, and the donated cache arguments alias the jitted function's outputs
-    (stacked: the whole stacked buffers, no slice)."""
-    config = KdaConfig(heads=2, tokens=4, split=2)
+@pytest.mark.parametrize("conv_bias, layers, trees",
+                         [(True, None, False), (False, None, False), (True, 3, False),
+                          (True, 3, True)], ids=["bias", "no-bias", "stacked", "stacked-trees"])
+def test_export_aliases_the_cache_in_place(conv_bias, layers, trees):
+    """The exported module holds one CuTe DSL custom call whose outputs 1.. alias the
+    cache operands (nodes too with trees), and the donated cache arguments alias the
+    jitted function's outputs (stacked: the whole stacked buffers, no slice)."""
+    config = KdaConfig(heads=2, tokens=4, split=2, trees=trees)
     params, cache, inputs = example(config, conv_bias, layers=layers)
     extra = {} if layers is None else {"layer": 1}
     step = jax.jit(functools.partial(fused_verify, config=config, backend="cutedsl", **extra),
@@ -68,9 +69,10 @@ def test_export_aliases_the_cache_in_place(conv_bias, layers):
             shapes(params), shapes(cache), shapes(inputs)).mlir_module()
     assert text.count(f"stablehlo.custom_call @{TARGET}") == 1
     aliases = re.findall(r"output_tuple_indices = \[(\d)\], operand_index = (\d+)", text)
-    assert sorted(int(o) for o, _ in aliases) == [1, 2, 3, 4, 5]
+    fields = CACHE + (("nodes",) if trees else ())
+    assert sorted(int(o) for o, _ in aliases) == list(range(1, len(fields) + 1))
     main = re.search(r"func\.func public @main\((.*?)\) ->", text, re.S).group(1)
-    for name in CACHE:
+    for name in fields:
         argument = re.search(rf"%arg\d+: tensor<([^>]*)>[^%]*?loc\(\"cache\.{name}\"\)", main)
         assert "tf.aliasing_output" in argument.group(0), f"cache.{name} is not aliased"
         assert argument.group(1).startswith(
@@ -167,10 +169,12 @@ def test_operand_table_is_the_kernels_and_the_docs():
     order, in `compiled`); docs/design.md holds the table as `kernel_abi.table()` writes
     it; every cache field is a read-write operand aliased to an output."""
     assert kernel_abi.table() in DESIGN.read_text()
-    assert [op.name for op in kernel_abi.OPERANDS if op.tree == "cache"] == list(CACHE)
+    assert [op.name for op in kernel_abi.OPERANDS if op.tree == "cache"] == list(CACHE) + [
+        "nodes"]
     assert all(op.access == kernel_abi.READ_WRITE for op in kernel_abi.OPERANDS
                if op.tree == "cache")
-    assert sorted(kernel_abi.ALIASES.values()) == [1, 2, 3, 4, 5]
+    assert sorted(kernel_abi.aliases(True, True, True).values()) == [1, 2, 3, 4, 5, 6]
+    assert sorted(kernel_abi.aliases(True, True, False).values()) == [1, 2, 3, 4, 5]
 
 
 def test_compiles_without_spills():

@@ -18,39 +18,14 @@ from compare import assert_same_bits, bf16_ulps, differing_bits, out_error, scal
 from jax_kda import (KdaConfig, PrefillInputs, accept, check_inputs, flush, fused_verify,
                      init_cache, prefill)
 from jax_kda.ref import stock_prefill
-from jax_kda.testing import random_parents
 from poison import poison
+from tree_shapes import SHAPES, a_path, check_bad_branch, tree_of
 
 NUM_SLOTS, NUM_RECORDS, HEADS, STEPS = 7, 5, 2, 3
 # as tests/test_parity.py's against the model (the same rounding points, a tree's path
 # is a chain's token by token); nodes, like pending, are set by rule
 TOLERANCES = {"out": 4 * 2**-8, "state": 1e-5, "corrections": 2**-8, "keys": 1,
               "gates": 0, "window": 0, "pending": 0, "nodes": 0}
-SHAPES = ("chain", "star", "binary", "random")
-
-
-def tree_of(shape, rng, batch, tokens):
-    """[B, T] int32 parents of a tree of `shape` for every request."""
-    t = np.arange(tokens)
-    one = {"chain": t - 1, "star": np.minimum(t - 1, 0), "binary": (t - 1) // 2}
-    if shape == "random":
-        return random_parents(rng, batch, tokens)
-    return jnp.asarray(np.broadcast_to(np.where(t == 0, -1, one[shape]), (batch, tokens)),
-                       jnp.int32)
-
-
-def a_path(rng, parents, tokens):
-    """[T] int32: a random path of the tree (node 0 down to a random node), padded
-    with random nodes past its end, and how many of its entries a runner would accept
-    (the whole path or a prefix, sometimes 0)."""
-    node = int(rng.integers(0, tokens))
-    path = [node]
-    while parents[node] >= 0:
-        node = int(parents[node])
-        path.append(node)
-    path = path[::-1]
-    count = int(rng.integers(0, len(path) + 1))
-    return path + list(rng.integers(0, tokens, tokens - len(path))), count
 
 
 def errors(out, cache, expected_out, expected):
@@ -127,32 +102,15 @@ def test_a_chain_tree_is_the_chain(implementations, draw):
 
 
 def test_a_bad_branch_reaches_no_other(implementation, draw):
-    """NaN in node 3 of the tree [-1, 0, 1, 0, 3]: nodes 1 and 2 (another branch) and
-    their records are bitwise those of a clean run, and after accepting the path 0, 1,
-    2 the next verify is the clean run's, bit for bit and finite."""
+    """tests/tree_shapes.py's `check_bad_branch`: a NaN in x.v of node 3."""
     config = KdaConfig(heads=HEADS, tokens=5, trees=True)
     params = draw.params(draw.key(21), config)
     cache = draw.cache(draw.key(22), config, NUM_SLOTS, NUM_RECORDS)
-    inputs = dataclasses.replace(
-        draw.inputs(draw.key(23), config, jnp.asarray([2, 4], jnp.int32),
-                    jnp.asarray([1, 2], jnp.int32)),
-        parents=jnp.asarray([[-1, 0, 1, 0, 3]] * 2, jnp.int32))
-    path = jnp.asarray([[0, 1, 2, 0, 0]] * 2, jnp.int32)
-    accepted = jnp.asarray([3, 3], jnp.int32)
-    results = []
-    for spoilt in (inputs, bad_values.spoiled(inputs, "x.v", 3, "nan")):
-        out, after = implementation(params, cache, spoilt, config)
-        nxt = implementation(params, accept(after, inputs.record_rows, accepted, config,
-                                            path=path), inputs, config)
-        results.append((out, after, nxt))
-    (out, after, nxt), (bad_out, bad_after, bad_nxt) = results
-    assert_same_bits(bad_out[0, :3], out[0, :3], "the other branch's outputs")
-    assert_same_bits(bad_out[1:], out[1:], "another request")
-    assert_same_bits(bad_after.corrections[1, :, :3], after.corrections[1, :, :3], "records")
-    assert np.all(np.isfinite(np.asarray(bad_nxt[0], np.float32)))
-    assert_same_bits(bad_nxt[0], nxt[0], "the next step's out")
-    for name, leaf in vars(nxt[1]).items():
-        assert_same_bits(getattr(bad_nxt[1], name), leaf, f"the next step's {name}")
+    inputs = draw.inputs(draw.key(23), config, jnp.asarray([2, 4], jnp.int32),
+                         jnp.asarray([1, 2], jnp.int32))
+    check_bad_branch(lambda p, c, i: implementation(p, c, i, config),
+                     lambda i: bad_values.spoiled(i, "x.v", 3, "nan"), params, lambda: cache,
+                     inputs, config)
 
 
 def awaiting_cache(config, draw, parents):
@@ -288,21 +246,21 @@ ERRORS = [
      r"parents: expected \[B=2, T=4\] int32, got \[2, 5\] int32"),
     ("a cache without nodes", dict(trees=True), "no nodes",
      r"cache.nodes: expected an array \[R, H, RQ\] int32 with config.trees, got None"),
-    ("the kernel", dict(trees=True), "cutedsl",
-     "backend='cutedsl': the verify kernel takes chains of T <= 8 tokens"),
+    ("the kernel past its T", dict(trees=True, tokens=9), "cutedsl",
+     r"backend='cutedsl': the verify kernel takes T <= 8 tokens, got tokens=9"),
 ]
 
 
 @pytest.mark.parametrize("fields, case, message", [e[1:] for e in ERRORS],
                          ids=[e[0] for e in ERRORS])
 def test_errors(fields, case, message, draw):
-    config = KdaConfig(heads=HEADS, tokens=4, **fields)
+    config = KdaConfig(heads=HEADS, **{"tokens": 4, **fields})
     params = draw.params(draw.key(71), config)
     cache = init_cache(config, NUM_SLOTS, NUM_RECORDS)
     inputs = draw.inputs(draw.key(72), config, jnp.asarray([1, 2], jnp.int32),
                          jnp.asarray([0, 1], jnp.int32))
-    inputs = dataclasses.replace(inputs, parents=jnp.zeros((2, 5 if case == "parents5" else 4),
-                                                           jnp.int32))
+    T = 5 if case == "parents5" else config.tokens
+    inputs = dataclasses.replace(inputs, parents=jnp.zeros((2, T), jnp.int32))
     backend = "jax"
     if case == "no nodes":
         cache = dataclasses.replace(cache, nodes=None)

@@ -35,7 +35,7 @@ def compile_verify(config: KdaConfig, split: int, has_bias: bool, conv_dtype: st
                    solo: bool = False, stacked: bool = False):
     """The verify kernel of these values (`FusedVerify`'s) compiled for symbolic B, S, R,
     L (one binary for every batch, cache and layer count): call it as (stream,
-    *operands) in `jax_kda.kernel_abi`'s order (None for an absent conv_bias or layer),
+    *operands) in `jax_kda.kernel_abi`'s order (None for an operand the build takes not),
     then, for the timeline build, the [CTAs, STAMPS] int64 stamps."""
     return compiled(FusedVerify(config, split, has_bias, conv_dtype=conv_dtype,
                                 norm_dtype=norm_dtype, timeline=timeline, solo=solo,

@@ -6,10 +6,11 @@ tokens), the chunks' operands at the default config and the prompt's convolution
     python -m jax_kda.kernels --arch sm_90a [--subset] [--jobs N]
 
 Every T, gate mode and split, then the operand variants (no bias; bf16 conv and norm
-weights), the stacked-layer build and the lazy checkpoint (checkpoint_every 4) on one
-shape per split, checkpoint_every 2 and 8 at split 1; `--subset`: every split at
-tokens 2, 4 and 8. Configurations compile in N processes (default: one per CPU). The
-exit status is 1 if a configuration fails to compile or spills.
+weights), the stacked-layer build, the lazy checkpoint (checkpoint_every 4) and the
+token-tree build on one shape per split, checkpoint_every 2 and 8 at split 1, the tree
+build at T = 2 and 8 on every split; `--subset`: every split at tokens 2, 4 and 8.
+Configurations compile in N processes (default: one per CPU). The exit status is 1 if a
+configuration fails to compile or spills.
 """
 from __future__ import annotations
 
@@ -50,7 +51,7 @@ def launch_smem_bytes(compiled):
 
 def configurations(subset, only=()):
     base = dict(has_bias=True, conv_dtype="float32", norm_dtype="float32", stacked=False,
-                checkpoint_every=1)
+                checkpoint_every=1, trees=False)
     if only:
         for T, gate_mode, split in only:
             yield dict(base, tokens=T, gate_mode=gate_mode, split=split)
@@ -60,11 +61,13 @@ def configurations(subset, only=()):
         yield dict(base, tokens=T, gate_mode=gate_mode, split=split)
     if not subset:  # the operand variants, stacked and lazy builds, one shape per split
         variants = [dict(has_bias=False), dict(conv_dtype="bfloat16", norm_dtype="bfloat16"),
-                    dict(stacked=True), dict(checkpoint_every=4)]
+                    dict(stacked=True), dict(checkpoint_every=4), dict(trees=True)]
         for split, variant in itertools.product((1, 2, 4, 8), variants):
             yield dict(base, tokens=4, gate_mode=0, split=split, **variant)
         for every in (2, 8):  # the shortest and the longest records of split 1
             yield dict(base, tokens=4, gate_mode=0, split=1, checkpoint_every=every)
+        for T, split in itertools.product((2, 8), (1, 2, 4, 8)):
+            yield dict(base, tokens=T, gate_mode=1, split=split, trees=True)
 
 
 def compile_one(arch, heads, c):
@@ -73,7 +76,7 @@ def compile_one(arch, heads, c):
     from jax_kda.kernels import FusedVerify
 
     config = KdaConfig(heads=heads, tokens=c["tokens"], gate_mode=c["gate_mode"],
-                       checkpoint_every=c["checkpoint_every"])
+                       checkpoint_every=c["checkpoint_every"], trees=c["trees"])
     return (c, *measured(arch, lambda: FusedVerify(
         config, c["split"], c["has_bias"], conv_dtype=c["conv_dtype"],
         norm_dtype=c["norm_dtype"], stacked=c["stacked"])))
@@ -134,7 +137,8 @@ def main(argv=None):
                         help="compile just this configuration (repeatable)")
     args = parser.parse_args(argv)
     print(f"{'T':>2} {'gate':>4} {'split':>5} {'bias':>5} {'conv':>8} {'norm':>8} "
-          f"{'stack':>5} {'every':>5} {'regs':>4} {'local':>5} {'smem':>6} {'secs':>5}  status",
+          f"{'stack':>5} {'every':>5} {'tree':>5} {'regs':>4} {'local':>5} {'smem':>6} "
+          f"{'secs':>5}  status",
           flush=True)
     failed = 0
     work = list(configurations(args.subset, args.only))
@@ -144,7 +148,8 @@ def main(argv=None):
             failed += status != "ok"
             print(f"{c['tokens']:>2} {c['gate_mode']:>4} {c['split']:>5} "
                   f"{str(c['has_bias']):>5} {c['conv_dtype']:>8} {c['norm_dtype']:>8} "
-                  f"{str(c['stacked']):>5} {c['checkpoint_every']:>5} {regs!s:>4} "
+                  f"{str(c['stacked']):>5} {c['checkpoint_every']:>5} "
+                  f"{str(c['trees']):>5} {regs!s:>4} "
                   f"{local!s:>5} {smem!s:>6} "
                   f"{seconds:5.1f}  {status}", flush=True)
     if not args.only:

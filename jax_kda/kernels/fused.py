@@ -1,7 +1,10 @@
 """The fused verify kernel (docs/spec.md; its layout is docs/design.md): one pass over
 each request's FP32 state replays the accepted tokens of the last verify into the
 checkpoint (closed form), verifies this step's T tokens from it in chunked (WY) form
-and records them.
+and records them. A tree build (`KdaConfig.trees`) verifies a token tree the same way,
+each node along its own path: its decays, pair products, solve and convolution taken
+over its ancestors only (selected, never multiplied by zero), and replays the accepted
+path's records in its order.
 
 A cluster of `split` CTAs of 256 threads per (request, head); CTA `rank` owns the state
 rows [rank RC, (rank + 1) RC), RC = 128 / split. Every CTA of the item recomputes the
@@ -79,7 +82,8 @@ Shared = collections.namedtuple("Shared", (
     "staged", "x_in", "records_in", "window", "xvec", "dots", "gate_in", "kp",
     "old_decays", "decay_n", "old_u", "decays", "raw_gates", "values_v", "norm_sums",
     "old_sums", "pairs", "pair_sums", "betas", "out_sums", "received", "exchange",
-    "state_arrived", "gates_arrived", "kx"), defaults=(None,))  # kx: lazy builds only
+    "state_arrived", "gates_arrived", "kx", "parents", "ancestors", "order"),
+    defaults=(None,) * 4)  # kx: lazy builds only; the last three: tree builds only
 
 
 class Item(NamedTuple):
@@ -124,6 +128,7 @@ class FusedVerify(Kernel):
         self.heads, self.tokens, self.record_tokens = config.heads, config.tokens, config.rq
         self.gate_mode, self.lower_bound = config.gate_mode, config.lower_bound
         self.lazy = config.checkpoint_every > 1  # a verify may keep its replayed tokens
+        self.trees = config.trees
         self.scale, self.eps = config.query_scale, config.eps
         self.layout = FusedLayout(config, split)
         self.rows = self.layout.rows  # RC: state rows per CTA
@@ -145,32 +150,36 @@ class FusedVerify(Kernel):
         return ("B", "S", "R", "L") + (("CTAS",) if self.timeline else ())
 
     def signature(self, B, S, R, L, ctas=None):
-        """The operand table's operands at B, S, R and L (`kernel_abi`; None for an absent
-        conv_bias or layer; conv_weight and conv_bias of conv_dtype, norm_weight of
-        norm_dtype), then the timeline build's stamps [ctas, STAMPS] int64."""
+        """The operand table's operands at B, S, R and L (`kernel_abi`; inputs None where
+        the build takes none, outputs only the build's; conv_weight and conv_bias of
+        conv_dtype, norm_weight of norm_dtype), then the timeline build's stamps
+        [ctas, STAMPS] int64."""
         sizes = kernel_abi.sizes_of(self.config, B, S, R, L)
         own = {"conv_weight": self.conv_dtype, "norm_weight": self.norm_dtype}
 
         def operand(op):
-            if not kernel_abi.present(op, self.has_bias, self.stacked):
+            if not kernel_abi.present(op, self.has_bias, self.stacked, self.trees):
                 return None
             return kernel_abi.shape(op, sizes, self.stacked), kernel_abi.dtype(op, own)
 
         stamps = (((ctas, STAMPS), "int64"),) if self.timeline else ()
+        outputs = [operand(op) for op in kernel_abi.OUTPUTS]
         return Signature(tuple(map(operand, kernel_abi.INPUTS)),
-                         tuple(map(operand, kernel_abi.OUTPUTS)) + stamps,
-                         tuple(kernel_abi.ALIASES.items()))
+                         tuple(o for o in outputs if o is not None) + stamps,
+                         tuple(kernel_abi.aliases(self.has_bias, self.stacked,
+                                                  self.trees).items()))
 
     @cute.jit
     def __call__(self, stream: cuda.CUstream, *tensors):
         """Launches the grid (split, H, B) on `stream`; tensors: the operand table's,
-        in its order (None for an absent conv_bias or layer), then the timeline
+        in its order (None for an operand the build takes not), then the timeline
         build's stamps."""
         named = dict(zip(kernel_abi.NAMES + ("timeline",), tensors))
         lead = 1 if self.stacked else 0
         num_slots, num_records = named["state"].shape[lead], named["pending"].shape[lead]
         num_layers = named["state"].shape[0] if self.stacked else 1
-        stand_in = {"conv_bias": "conv_weight", "layer": "slots", "timeline": "out"}
+        stand_in = {"conv_bias": "conv_weight", "layer": "slots", "parents": "slots",
+                    "nodes": "pending", "timeline": "out"}
         ptr = Pointers(*[(named[n] if named.get(n) is not None else named[stand_in[n]]
                           ).iterator for n in Pointers._fields])  # stand-ins never read
         cluster = (self.split, 1, 1) if self.split > 1 else None
@@ -218,25 +227,36 @@ class FusedVerify(Kernel):
         beta_t = load_if(ptr.beta, self.offset("beta", request,
                                                cutlass.min(tid, self.tokens - 1), head),
                          tid < self.tokens)
+        parent_t = Int32(0)
+        if cutlass.const_expr(self.trees):
+            parent_t = load_if(ptr.parents, self.offset("parents", request,
+                                                        cutlass.min(tid, self.tokens - 1)),
+                               tid < self.tokens)
         self.stage_inputs(smem, ptr, request, head, rank, tid)
         item = self.resolve(ptr, weights, guess, slot, rec, layer, num_slots, num_records,
                             num_layers, head, projecting, block, tid)
         if item.live:
-            self.verify_item(smem, weights, item, activation_words, beta_t, ctas, request,
-                             head, rank, projecting, block, tid)
+            self.verify_item(smem, weights, item, activation_words, beta_t, parent_t, ctas,
+                             request, head, rank, projecting, block, tid)
         else:
             self.padding_row(ptr, request, head, rank, tid)
 
     @cute.jit
-    def verify_item(self, smem, weights, item, activation_words, beta_t, ctas, request, head,
-                    rank, projecting, block, tid):
+    def verify_item(self, smem, weights, item, activation_words, beta_t, parent_t, ctas,
+                    request, head, rank, projecting, block, tid):
         """A live item, phase by phase: every read issued at once, the gate projection
         while they land, the per-token operands, the records and window written, the
         state pass, the T x T solve and the gated RMSNorm."""
         T: cutlass.Constexpr = self.tokens
+        RQ: cutlass.Constexpr = self.record_tokens
         ptr, timeline = item.ptr, item.ptr.timeline
         pending_n = load_if(ptr.pending, self.offset("pending", item.rec, head),
                             item.has_records)
+        position_t = Int32(0)
+        if cutlass.const_expr(self.trees):  # the record position of kept token tid
+            position_t = load_if(ptr.nodes, self.offset("nodes", item.rec, head,
+                                                        cutlass.min(tid, RQ - 1)),
+                                 item.has_records & (tid < RQ))
         crowded = self.issue_reads(smem, item, ctas, head, rank, tid)
         self.stamp(timeline, Phase.READS_ISSUED, tid)
         a_exp = exp(weights.scalars[0])
@@ -249,21 +269,22 @@ class FusedVerify(Kernel):
         n, write, base = self.kept(pending_n)
         if tid < T:
             smem.betas[tid] = sigmoids([beta_t])[0]
+        if cutlass.const_expr(self.trees):
+            self.store_tree(smem, parent_t, position_t, tid)
         self.stamp(timeline, Phase.GATES_PROJECTED, tid)
         self.await_operands(smem, item, crowded, head, rank, tid)
         self.stamp(timeline, Phase.OPERANDS_ARRIVED, tid)
-        activations = self.convolve(smem.window, smem.x_in, weights.taps, weights.bias,
-                                    smem.values_v, smem.norm_sums, n, base, tid)
-        self.load_records(smem.records_in, smem.kp, smem.old_decays, smem.old_sums, a_exp,
-                          weights.scalars[1], n, tid)
+        if cutlass.const_expr(self.trees):
+            self.find_ancestors(smem.parents, smem.ancestors, tid)
+        activations = self.convolve(smem, weights.taps, weights.bias, n, base, tid)
+        self.load_records(smem, a_exp, weights.scalars[1], n, tid)
         cute.arch.griddepcontrol_launch_dependents()
         cute.arch.barrier()
         self.stamp(timeline, Phase.CONVOLVED, tid)
         if cutlass.const_expr(self.split > 1):
             cute.arch.cluster_wait()  # every CTA of the item has read the old records
         self.stamp(timeline, Phase.CLUSTER_SYNCED, tid)
-        self.write_records(ptr, activations, smem.raw_gates, smem.window, item, base, head,
-                           rank, tid)
+        self.write_records(ptr, activations, smem, item, base, head, rank, tid)
         self.vectors(smem, activations, n, tid)
         low_rank = self.low_rank(smem, n, write, tid)
         self.stamp(timeline, Phase.VECTORS_READY, tid)
@@ -671,6 +692,19 @@ class FusedVerify(Kernel):
         return n, write, base
 
     @cute.jit
+    def store_tree(self, smem, parent_t, position_t, tid):
+        """Tree builds: node tid's parent as the contract reads it (-1 for node 0, a
+        parent outside [0, tid) is node 0) and kept token tid's record position, clamped
+        into the row, into shared memory."""
+        if tid < self.tokens:
+            valid = (parent_t >= 0) & (parent_t < tid)
+            smem.parents[tid] = cutlass.select_(tid == 0, Int32(-1),
+                                                cutlass.select_(valid, parent_t, Int32(0)))
+        if tid < self.record_tokens:
+            smem.order[tid] = cutlass.max(cutlass.min(position_t,
+                                                      Int32(self.record_tokens - 1)), Int32(0))
+
+    @cute.jit
     def await_operands(self, smem, item, crowded, head, rank, tid):
         """The window and records landed; then the state's request where the grid is not
         crowded. The cluster arrival says this CTA has read the old window and records
@@ -687,14 +721,71 @@ class FusedVerify(Kernel):
     # === Phases 6-7 (CONVOLVED, CLUSTER_SYNCED): convolution; records read, then written
 
     @cute.jit
-    def convolve(self, window, x_in, taps, bias, values_v, norm_sums, n, base, tid):
+    def find_ancestors(self, parents, ancestors, tid):
+        """Tree builds: node t's strict ancestors as bits into ancestors[t], by thread
+        K + t (section 1: the lighter convolution) walking its path up to the root; read
+        once the records are loaded (their barrier)."""
+        T: cutlass.Constexpr = self.tokens
+        t = tid - K
+        if (t >= 0) & (t < T):
+            bits, node = Int32(0), parents[t]
+            for _ in cutlass.range_constexpr(T - 1):  # a path holds at most T - 1 above t
+                up = node >= 0
+                bits = cutlass.select_(up, bits | (Int32(1) << cutlass.max(node, Int32(0))),
+                                       bits)
+                node = cutlass.select_(up, parents[cutlass.max(node, Int32(0))], Int32(-1))
+            ancestors[t] = bits
+
+    def ancestor_bits(self, smem):
+        """A tree build's nodes' strict ancestors as bits (`find_ancestors`), read from
+        shared memory: [T] Int32; None for a chain."""
+        if not self.trees:
+            return None
+        return [smem.ancestors[t] for t in range(self.tokens)]
+
+    def on_path(self, ancestors, t: int, s: int):
+        """Whether node s lies on node t's path (s < t: a strict ancestor; s == t: t)."""
+        if s == t:
+            return True
+        return (ancestors[t] & Int32(1 << s)) != Int32(0)
+
+    def path_factor(self, ancestors, t: int, r: int, value):
+        """`value` (node r's factor) where node r lies on node t's path or the build
+        verifies a chain, else 1: an off-path value is selected away, never used."""
+        if ancestors is None or r == t:
+            return value
+        return cutlass.select_(self.on_path(ancestors, t, r), value, Float32(1.0))
+
+    @cute.jit
+    def history_position(self, order, n, i: cutlass.Constexpr):
+        """The window position of conv history input i (0..2) of a tree build: that of
+        kept token j = n - 3 + i, order[j] + 3, or j + 3 before record 0."""
+        j = n - 3 + i
+        return cutlass.select_(j >= 0, order[cutlass.max(j, Int32(0))] + 3, j + 3)
+
+    @cute.jit
+    def path_input(self, x_in, seq, part, channel, node):
+        """The raw input of `node` (>= -3: positions before node 0 are history[node + 3])
+        for the channel: x_in's row, or seq's history entries."""
+        x = Float32(x_in[cutlass.max(node, Int32(0)), part, channel])
+        history = cutlass.select_(node == -1, seq[2],
+                                  cutlass.select_(node == -2, seq[1], seq[0]))
+        return cutlass.select_(node >= 0, x, history)
+
+    @cute.jit
+    def convolve(self, smem, taps, bias, n, base, tid):
         """The short convolution and SiLU of this thread's channel: q and k (section 0,
         rows 0 and 1; sums of squares per warp into norm_sums) or v (section 1, row 0;
         into values_v), from the staged window (whole: staged before n was known) and
-        inputs. The history is window[n .. n+2]; the channel's new window [history,
-        x_0 .. x_{T-1}] replaces positions base .. base + T + 2 in place. Returns the
-        activations."""
+        inputs x_in. The history is window[n .. n+2] (a tree build's: the kept path's
+        last three inputs, `history_position`); the channel's new window [history,
+        x_0 .. x_{T-1}] replaces positions base .. base + T + 2 in place. A tree node's
+        taps read its path (`path_input`). Returns the activations."""
         T: cutlass.Constexpr = self.tokens
+        window, x_in, parents = smem.window, smem.x_in, smem.parents
+        history = [n + i for i in range(3)]
+        if cutlass.const_expr(self.trees):
+            history = [self.history_position(smem.order, n, i) for i in range(3)]
         channel, section = tid % K, tid // K
         lane, warp = tid % 32, tid // 32
         activations = cute.make_rmem_tensor((2, T), Float32)
@@ -704,15 +795,24 @@ class FusedVerify(Kernel):
             if (section == 0) | (s == 0):
                 seq = cute.make_rmem_tensor(T + 3, Float32)
                 for i in cutlass.range_constexpr(3):
-                    seq[i] = Float32(window[part, channel, n + i])
+                    seq[i] = Float32(window[part, channel, history[i]])
                 for t in cutlass.range_constexpr(T):
                     seq[3 + t] = Float32(x_in[t, part, channel])
                 for i in cutlass.range_constexpr(T + 3):
                     window[part, channel, base + i] = BFloat16(seq[i])
                 for t in cutlass.range_constexpr(T):
+                    inputs = [seq[t + i] for i in range(4)]
+                    if cutlass.const_expr(self.trees):  # t's three nearest ancestors, then t
+                        path = [parents[t]]
+                        for _ in cutlass.range_constexpr(2):
+                            up = path[-1]
+                            above = parents[cutlass.max(up, Int32(0))]
+                            path.append(cutlass.select_(up >= 0, above, up - 1))
+                        inputs = [self.path_input(x_in, seq, part, channel, path[2 - i])
+                                  for i in range(3)] + [seq[t + 3]]
                     y = bias[s]
                     for i in cutlass.range_constexpr(4):  # rounded products, as the stock loop
-                        y = cute.math.add(y, cute.math.mul(taps[s, i], seq[t + i], rounding=RN),
+                        y = cute.math.add(y, cute.math.mul(taps[s, i], inputs[i], rounding=RN),
                                           rounding=RN)
                     activations[s, t] = y
         # the SiLUs of a thread as one batch (see primitives.quotients)
@@ -729,28 +829,33 @@ class FusedVerify(Kernel):
                 [activations[s, t] * activations[s, t] for t in range(T) for s in range(2)],
                 lane)
             if holds:
-                norm_sums[index // 2, index % 2, warp] = squares
+                smem.norm_sums[index // 2, index % 2, warp] = squares
         else:
             for t in cutlass.range_constexpr(T):
-                values_v[t, channel] = activations[0, t]
+                smem.values_v[t, channel] = activations[0, t]
         return activations
 
     @cute.jit
-    def load_records(self, records_in, kp, old_decays, old_sums, a_exp, dt_channel, n,
-                     tid):
-        """Section 1: the staged recorded keys (into kp, normalized later), their decays
-        and the keys' sums of squares per warp; t >= n (and every t when the request
-        has no record row: n = 0) masked."""
+    def load_records(self, smem, a_exp, dt_channel, n, tid):
+        """Section 1: the staged recorded keys of the kept tokens in replay order (into
+        kp, normalized later), their decays (into old_decays) and the keys' sums of
+        squares per warp (old_sums); t >= n (and every t when the request has no record
+        row: n = 0) masked. Kept token t's record is at position t, or with trees at
+        order[t]."""
         RQ: cutlass.Constexpr = self.record_tokens
+        records_in, kp, old_decays = smem.records_in, smem.kp, smem.old_decays
         channel, section = tid % K, tid // K
         lane, warp = tid % 32, tid // 32
+        # a tree's decays overwrite records its later tokens may read: one batch of all
+        batch: cutlass.Constexpr = RQ if self.trees else 8
         if section == 1:
+            at = [smem.order[t] for t in range(RQ)] if self.trees else list(range(RQ))
             # t >= n are masked: their staged bytes may be stale or never staged
-            keys = [cutlass.select_(t < n, Float32(records_in[t, 0, channel]), Float32(0.0))
-                    for t in range(RQ)]
-            for first in cutlass.range_constexpr(0, RQ, 8):  # decays in batches of 8
-                tokens = range(first, min(first + 8, RQ))
-                gates = [Float32(cutlass.select_(t < n, Float32(records_in[t, 1, channel]),
+            keys = [cutlass.select_(t < n, Float32(records_in[at[t], 0, channel]),
+                                    Float32(0.0)) for t in range(RQ)]
+            for first in cutlass.range_constexpr(0, RQ, batch):  # decays in batches
+                tokens = range(first, min(first + batch, RQ))
+                gates = [Float32(cutlass.select_(t < n, Float32(records_in[at[t], 1, channel]),
                                                  Float32(0.0))) for t in tokens]
                 # the batch's records read by every thread before its decays overwrite them
                 cute.arch.barrier(barrier_id=RECORDS_READ, number_of_threads=K)
@@ -761,17 +866,18 @@ class FusedVerify(Kernel):
                         old_decays[t, channel] = d
             squares, index, holds = warp_totals([key * key for key in keys], lane)
             if holds:
-                old_sums[index, warp - 4] = squares
+                smem.old_sums[index, warp - 4] = squares
 
     @cute.jit
-    def write_records(self, ptr, activations, raw_gates, window, item, base, head, rank,
-                      tid):
+    def write_records(self, ptr, activations, smem, item, base, head, rank, tid):
         """Once every CTA of the item has read the old ones, each CTA writes its channel
         share of the new records' keys (section 0) and raw gates (section 1), at
         positions base + t, and of the new window (in shared memory: `convolve`), 16
         bytes a thread, coalesced (a channel's row is W positions: per-channel stores
         would split sectors); then rank 0 leaves the record row awaiting its accept with
-        base records kept (every CTA of the item has read the pending count by then)."""
+        base records kept, and in a tree build each node's parent in `nodes` at its
+        record position (every CTA of the item has read the pending count and the kept
+        tokens' positions by then)."""
         T: cutlass.Constexpr = self.tokens
         W: cutlass.Constexpr = self.config.window
         share: cutlass.Constexpr = K // self.split
@@ -783,15 +889,19 @@ class FusedVerify(Kernel):
                 if section == 0:
                     ptr.key_gates[at] = BFloat16(activations[1, t])
                 else:
-                    ptr.key_gates[at + K] = raw_gates[t, channel]
+                    ptr.key_gates[at + K] = smem.raw_gates[t, channel]
         for r in cutlass.range_constexpr(-(-3 * per_part // THREADS)):
             i = tid + r * THREADS
             if i < 3 * per_part:
                 part, within = i // per_part, (i % per_part) * 8 + rank * share * W
                 store_vec(ptr.conv, self.offset("conv", item.slot, part, head) + within,
-                          load_vec(window.iterator, part * K * W + within, 8))
+                          load_vec(smem.window.iterator, part * K * W + within, 8))
         if (tid == 0) & (rank == 0) & item.has_records:
             ptr.pending[self.offset("pending", item.rec, head)] = Int32(AWAITING) - base
+        if cutlass.const_expr(self.trees):
+            if (tid < T) & (rank == 0) & item.has_records:
+                ptr.nodes[self.offset("nodes", item.rec, head, base + tid)] = \
+                    smem.parents[tid]
 
     # === Phase 8 (VECTORS_READY): the token and replay vectors
 
@@ -805,8 +915,7 @@ class FusedVerify(Kernel):
         if tid // K == 0:
             if cutlass.const_expr(self.split > 1):
                 cute.arch.mbarrier_wait(smem.gates_arrived, 0)
-            self.token_vectors(activations, smem.norm_sums, smem.decays, smem.xvec,
-                               smem.pairs, tid)
+            self.token_vectors(activations, smem, tid)
         else:
             self.replay_vectors(smem.kp, smem.old_decays, smem.old_sums, smem.decay_n, n, tid)
             row = tid - K
@@ -819,13 +928,16 @@ class FusedVerify(Kernel):
             smem.pair_sums[tid] = tree_sum([smem.pairs[tid, w] for w in range(4)])
 
     @cute.jit
-    def token_vectors(self, activations, norm_sums, decays, xvec, pairs, tid):
+    def token_vectors(self, activations, smem, tid):
         """Section 0: normalized q (scaled) and k of this channel; Gamma_t k_t and
         Gamma_t q_t into xvec; the channel's terms of the T^2 pair products, summed per
-        warp into pairs."""
+        warp into pairs. A tree build takes each product over node t's path: a decay
+        off it is selected away (a factor 1), a pair off it is 0."""
         T: cutlass.Constexpr = self.tokens
         NP: cutlass.Constexpr = T * T
+        norm_sums, decays, xvec, pairs = smem.norm_sums, smem.decays, smem.xvec, smem.pairs
         channel, lane, warp = tid % K, tid % 32, tid // 32
+        ancestors = self.ancestor_bits(smem)
         qs = cute.make_rmem_tensor(T, Float32)
         ks = cute.make_rmem_tensor(T, Float32)
         normalized = divided_by_roots(
@@ -836,8 +948,13 @@ class FusedVerify(Kernel):
         for t in cutlass.range_constexpr(T):
             qs[t] = normalized[t] * self.scale
             ks[t] = normalized[T + t]
-            d = decays[t, channel]
-            gamma = d if t == 0 else gamma * d
+            if cutlass.const_expr(self.trees):  # the decays on t's path, root first
+                gamma = decays[0, channel]
+                for r in cutlass.range_constexpr(1, t + 1):
+                    gamma = gamma * self.path_factor(ancestors, t, r, decays[r, channel])
+            else:
+                d = decays[t, channel]
+                gamma = d if t == 0 else gamma * d
             xvec[t, channel] = gamma * ks[t]
             xvec[T + t, channel] = gamma * qs[t]
         d = [decays[t, channel] for t in range(T)]
@@ -848,8 +965,11 @@ class FusedVerify(Kernel):
             for kind, t, s in pairs_in_order[first:first + 32]:
                 weighted = ks[s]  # k_s P(s, t), the products in token order
                 for r in cutlass.range_constexpr(s + 1, t + 1):
-                    weighted = weighted * d[r]
-                terms.append(weighted * (ks[t] if kind == "A" else qs[t]))
+                    weighted = weighted * self.path_factor(ancestors, t, r, d[r])
+                term = weighted * (ks[t] if kind == "A" else qs[t])
+                if cutlass.const_expr(self.trees and s < t):
+                    term = cutlass.select_(self.on_path(ancestors, t, s), term, Float32(0.0))
+                terms.append(term)
             total, index, holds = warp_totals(terms, lane)
             if holds:
                 pairs[first + index, warp] = total
@@ -961,7 +1081,7 @@ class FusedVerify(Kernel):
         """rows [RPT, 4] := S_n at keys key .. key + 3 (the staged S_0 times D_n plus the
         replayed records), stored to the checkpoint if `write`."""
         RPT: cutlass.Constexpr = self.rows_per_thread
-        replayed = self.replayed(smem.kp, smem.old_u, n, first_row, key)
+        replayed = self.replayed(smem.kp, smem.old_u, smem.order, n, first_row, key)
         if cutlass.const_expr(late_rows):
             self.load_rows(rows, smem.staged, first_row, key)
         d4 = load_vec(smem.decay_n.iterator, key, 4)
@@ -972,15 +1092,15 @@ class FusedVerify(Kernel):
             store_f32x4_if(target, [rows[r, e] for e in range(4)], write)
 
     @cute.jit
-    def replayed(self, kp, old_u, n, first_row, key):
+    def replayed(self, kp, old_u, order, n, first_row, key):
         """sum_{t < n} u_t[r] (kn_t P_t)[key .. key + 3] for this thread's rows
-        first_row + r: [RPT, 4]."""
+        first_row + r: [RPT, 4]; u_t is old_u's row t (a tree build's: order[t])."""
         RPT: cutlass.Constexpr = self.rows_per_thread
         RC: cutlass.Constexpr = self.rows
         replayed = cute.make_rmem_tensor((RPT, 4), Float32)
         if n > 0:  # token 0's products start the sums: no zeroed accumulators
             k4 = load_vec(kp.iterator, key, 4)
-            u = load_vec(old_u.iterator, first_row, RPT)
+            u = load_vec(old_u.iterator, self.record_at(order, 0) * RC + first_row, RPT)
             for r in cutlass.range_constexpr(RPT):
                 for e in cutlass.range_constexpr(4):
                     replayed[r, e] = cute.math.fma(u[r], k4[e], Float32(0.0))
@@ -988,11 +1108,15 @@ class FusedVerify(Kernel):
             replayed.fill(0.0)
         for t in range(1, n):
             k4 = load_vec(kp.iterator, t * K + key, 4)
-            u = load_vec(old_u.iterator, t * RC + first_row, RPT)
+            u = load_vec(old_u.iterator, self.record_at(order, t) * RC + first_row, RPT)
             for r in cutlass.range_constexpr(RPT):
                 for e in cutlass.range_constexpr(4):
                     replayed[r, e] = cute.math.fma(u[r], k4[e], replayed[r, e])
         return replayed
+
+    def record_at(self, order, t):
+        """The record position of kept token t: t, or a tree build's order[t]."""
+        return order[t] if self.trees else t
 
     @cute.jit
     def add_dots(self, acc, rows, xvec, key, scale=None):
@@ -1046,11 +1170,13 @@ class FusedVerify(Kernel):
             sums = [dots[tid, j] for j in range(2 * T)]  # plus the rank term where low_rank
             if cutlass.const_expr(self.lazy):
                 sums = self.with_rank_term(sums, smem, n, low_rank, tid)
+            ancestors = self.ancestor_bits(smem)
             us = cute.make_rmem_tensor(T, Float32)
             for t in cutlass.range_constexpr(T):
                 total = sums[t]
                 for s in cutlass.range_constexpr(t):
-                    total = cute.math.fma(pair_sums[pair_index(T, t, s, "A")], us[s], total)
+                    total = self.on_path_step(ancestors, t, s, total, cute.math.fma(
+                        pair_sums[pair_index(T, t, s, "A")], us[s], total))
                 us[t] = (values_v[t, row] - total) * betas[t]
                 if item.has_records:
                     corrections[self.offset("corrections", item.rec, head, base + t,
@@ -1058,9 +1184,18 @@ class FusedVerify(Kernel):
             for t in cutlass.range_constexpr(T):
                 o = sums[T + t]
                 for s in cutlass.range_constexpr(t + 1):
-                    o = cute.math.fma(pair_sums[pair_index(T, t, s, "B")], us[s], o)
+                    o = self.on_path_step(ancestors, t, s, o, cute.math.fma(
+                        pair_sums[pair_index(T, t, s, "B")], us[s], o))
                 outs[t] = round_bf16(o)
         return outs, gated
+
+    def on_path_step(self, ancestors, t: int, s: int, before, after):
+        """`after` (a sum with node s's term added) where node s lies on node t's path or
+        the build verifies a chain, else `before`: an off-path u_s (a bad branch's
+        NaN) never meets node t's sum, not even times 0."""
+        if ancestors is None or s == t:
+            return after
+        return cutlass.select_(self.on_path(ancestors, t, s), after, before)
 
     @cute.jit
     def with_rank_term(self, sums, smem, n, low_rank, tid):

@@ -41,6 +41,7 @@ class FusedLayout:
         self.config, self.split = config, split
         self.tokens, self.record_tokens = config.tokens, config.rq
         self.lazy = config.checkpoint_every > 1  # a verify may keep its replayed tokens
+        self.trees = config.trees
         self.rows = K // split
         self.sizes = kernel_abi.sizes_of(config, None, None, None)
 
@@ -68,7 +69,9 @@ class FusedLayout:
 
     def shared_buffers(self):
         """The other shared buffers, in allocation order: name -> (dtype, shape); kx (lazy
-        builds) lies over decays where it fits (`kx_over_decays`)."""
+        builds) lies over decays where it fits (`kx_over_decays`); tree builds add each
+        node's parent, its strict ancestors as bits and the kept tokens' record
+        positions in replay order."""
         T, RQ, RC, NP = self.tokens, self.record_tokens, self.rows, self.tokens ** 2
         return {"gate_in": ("bfloat16", (T, RC)), "kp": ("float32", (RQ, K)),
                 "old_decays": ("float32", (RQ, K)), "decay_n": ("float32", (K,)),
@@ -79,7 +82,9 @@ class FusedLayout:
                 "betas": ("float32", (T,)), "out_sums": ("float32", (T, 4)),
                 "received": ("float32", (self.split, T)),
                 **({"kx": ("float32", (RQ, 2 * T))} if self.lazy and not self.kx_over_decays()
-                   else {})}
+                   else {}),
+                **({"parents": ("int32", (T,)), "ancestors": ("int32", (T,)),
+                    "order": ("int32", (RQ,))} if self.trees else {})}
 
     def kx_over_decays(self):
         """Whether a lazy build's kx [RQ, 2T] f32 takes the bytes of decays [T, K] f32

@@ -30,7 +30,9 @@ from jax_kda.steps import prompt_step
 
 BACKENDS = ("auto", "jax", "cutedsl")
 KERNEL, XLA = "kernel", "xla"
-KERNEL_TOKENS = 8  # the verify kernel's largest T, chain or tree
+KERNEL_TOKENS = 16  # the verify kernel's largest T of a chain
+KERNEL_TREE_TOKENS = 12  # and of a tree: past it the tree build's pair products spill
+SPILLING_TOKENS = 9  # at gate_mode 1 the build of T = 9 spills (its one-token second tile)
 OPERANDS_KERNEL_SCALE = 2.0**60  # the largest query scale the operands kernel takes
 
 
@@ -100,12 +102,17 @@ class VerifyPlan:
 
 def kernel_takes(config: KdaConfig) -> None:
     """Raises ValueError, naming the need, where the verify kernel cannot run `config`
-    at all: it verifies chains and trees of up to KERNEL_TOKENS tokens (longer steps
-    run in XLA)."""
-    if config.tokens > KERNEL_TOKENS:
-        raise ValueError(f"backend='cutedsl': the verify kernel takes T <= "
-                         f"{KERNEL_TOKENS} tokens, got tokens={config.tokens}; use "
+    at all: it verifies chains of up to KERNEL_TOKENS tokens and trees of up to
+    KERNEL_TREE_TOKENS, but not SPILLING_TOKENS at gate_mode 1 (those run in XLA)."""
+    largest = KERNEL_TREE_TOKENS if config.trees else KERNEL_TOKENS
+    if config.tokens > largest:
+        raise ValueError(f"backend='cutedsl': the verify kernel takes T <= {largest} tokens "
+                         f"(trees={config.trees}), got tokens={config.tokens}; use "
                          f"backend='auto' or backend='jax'")
+    if config.tokens == SPILLING_TOKENS and config.gate_mode == 1:
+        raise ValueError(f"backend='cutedsl': the verify kernel takes no tokens="
+                         f"{SPILLING_TOKENS} at gate_mode=1; use backend='auto' or "
+                         f"backend='jax'")
 
 
 def verify_plan(config: KdaConfig, batch: int, backend: str) -> VerifyPlan:

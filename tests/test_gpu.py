@@ -191,7 +191,8 @@ def run_episode(config, seed, *, conv_dtype=jnp.float32, norm_dtype=jnp.float32,
         cache = accept(cache, rows, accepted, config)
 
 
-CONFIGS = [(T, g, split) for T in range(2, 9) for g in (0, 1) for split in (1, 2, 4, 8)]
+CONFIGS = [(T, g, split) for T in (*range(2, 9), 12, 16) for g in (0, 1)
+           for split in (1, 2, 4, 8)]
 
 
 @pytest.mark.parametrize("tokens,gate_mode,split", CONFIGS,
@@ -237,7 +238,7 @@ def test_parity_lazy_checkpoint(tokens, every, split):
     run_episode(config, seed=500 + 10 * tokens + every, steps=2 * every + 2)
 
 
-TREES = [(T, split) for T in (2, 5, 8) for split in (1, 2, 4, 8)]
+TREES = [(T, split) for T in (2, 5, 8, 12) for split in (1, 2, 4, 8)]
 
 
 @pytest.mark.parametrize("tokens,split", TREES, ids=[f"T{T}-split{s}" for T, s in TREES])

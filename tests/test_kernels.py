@@ -22,7 +22,8 @@ pytest.importorskip("cutlass", reason="needs nvidia-cutlass-dsl")
 
 from jax import export  # noqa: E402
 
-from jax_kda import KdaConfig, PrefillInputs, fused_verify, kernel_abi, prefill  # noqa: E402
+from jax_kda import (KdaConfig, PrefillInputs, backends, fused_verify, kernel_abi,  # noqa: E402
+                     prefill)
 from jax_kda.ffi import choose_split, eager_verify, kernel_split, solo_ctas  # noqa: E402
 from jax_kda.testing import random_cache, random_inputs, random_params  # noqa: E402
 
@@ -320,3 +321,25 @@ def test_eager_rejects_a_wrong_shape_before_any_launch():
         eager_verify(params, cache, inputs, out.astype(np.float32), config)
     with pytest.raises(TypeError, match="stream: expected None, an int handle"):
         eager_verify(params, cache, inputs, out, config, stream="default")
+
+
+PLANS = [  # (config, whether the kernel takes it)
+    (KdaConfig(heads=32, tokens=16), True),
+    (KdaConfig(heads=32, tokens=12, trees=True), True),
+    (KdaConfig(heads=32, tokens=13, trees=True), False),
+    (KdaConfig(heads=32, tokens=9), True),
+    (KdaConfig(heads=32, tokens=9, gate_mode=1), False),
+]
+
+
+@pytest.mark.parametrize("config, kernel", PLANS,
+                         ids=["chain-16", "tree-12", "tree-13", "chain-9", "chain-9-gate1"])
+def test_the_verify_plan_takes_the_builds_that_compile(config, kernel):
+    """"auto" plans the kernel for CUDA where its build compiles without spills (chains
+    to T = 16, trees to 12, not T = 9 at gate_mode 1: the compile table) and XLA
+    elsewhere; "cutedsl" raises there, naming the need."""
+    plan = backends.verify_plan(config, 64, "auto")
+    assert (plan.cuda is not None) == kernel and plan.other is None
+    if not kernel:
+        with pytest.raises(ValueError, match="backend='cutedsl': the verify kernel takes"):
+            backends.verify_plan(config, 64, "cutedsl")

@@ -5,10 +5,11 @@ tokens), the chunks' operands at the default config and the prompt's convolution
 
     python -m jax_kda.kernels --arch sm_90a [--subset] [--jobs N]
 
-Every T, gate mode and split, then the operand variants (no bias; bf16 conv and norm
-weights), the stacked-layer build, the lazy checkpoint (checkpoint_every 4) and the
-token-tree build on one shape per split, checkpoint_every 2 and 8 at split 1, the tree
-build at T = 2 and 8 on every split; `--subset`: every split at tokens 2, 4 and 8.
+Every T of 2..8, 12 and 16, gate mode and split, then the operand variants (no bias;
+bf16 conv and norm weights), the stacked-layer build, the lazy checkpoint
+(checkpoint_every 4) and the token-tree build on one shape per split, checkpoint_every 2
+and 8 at split 1, the tree build at T = 2, 8 and 12 on every split; `--subset`: every
+split at tokens 2, 4 and 8.
 Configurations compile in N processes (default: one per CPU). The exit status is 1 if a
 configuration fails to compile or spills.
 """
@@ -56,7 +57,7 @@ def configurations(subset, only=()):
         for T, gate_mode, split in only:
             yield dict(base, tokens=T, gate_mode=gate_mode, split=split)
         return
-    tokens = (2, 4, 8) if subset else range(2, 9)
+    tokens = (2, 4, 8) if subset else (*range(2, 9), 12, 16)
     for T, gate_mode, split in itertools.product(tokens, (0, 1), (1, 2, 4, 8)):
         yield dict(base, tokens=T, gate_mode=gate_mode, split=split)
     if not subset:  # the operand variants, stacked and lazy builds, one shape per split
@@ -66,7 +67,7 @@ def configurations(subset, only=()):
             yield dict(base, tokens=4, gate_mode=0, split=split, **variant)
         for every in (2, 8):  # the shortest and the longest records of split 1
             yield dict(base, tokens=4, gate_mode=0, split=1, checkpoint_every=every)
-        for T, split in itertools.product((2, 8), (1, 2, 4, 8)):
+        for T, split in itertools.product((2, 8, 12), (1, 2, 4, 8)):
             yield dict(base, tokens=T, gate_mode=1, split=split, trees=True)
 
 

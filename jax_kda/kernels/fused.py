@@ -133,11 +133,13 @@ class FusedVerify(Kernel):
         self.layout = FusedLayout(config, split)
         self.rows = self.layout.rows  # RC: state rows per CTA
         # RPT: 4 rows per thread where the 2T x 4 dot accumulators fit the registers
-        # (T <= 5), else 2; at most 32 threads per row (splits >= 4)
-        self.rows_per_thread = min(4 if 2 * self.tokens * 4 <= 40 else 2,
-                                   self.rows * 32 // THREADS)
+        # (T <= 5), else 2 up to T = 8, else 1 (2 spill at T = 9 and 10, the gate
+        # projection's second tile beside them); at most 32 threads per row (splits >= 4)
+        rows = 4 if 2 * self.tokens * 4 <= 40 else 2 if self.tokens <= 8 else 1
+        self.rows_per_thread = min(rows, self.rows * 32 // THREADS)
         self.lanes = THREADS * self.rows_per_thread // self.rows  # threads per row
         self.chunks = K // (4 * self.lanes)  # KCH: 4-key chunks per thread and row
+        self.tiles = -(-self.tokens // 8)  # the gate projection's mma tiles of 8 tokens
 
     def key(self):
         return (self.config, self.split, self.has_bias, self.conv_dtype, self.norm_dtype,
@@ -263,8 +265,9 @@ class FusedVerify(Kernel):
         if cutlass.const_expr(self.split > 1):
             cute.arch.cluster_wait()
         if projecting:
-            self.gate_projection(activation_words, weights.fb_words, weights.dt_gate, a_exp,
-                                 smem.decays, smem.raw_gates, smem.gates_arrived, block, tid)
+            self.gate_projection(activation_words, ptr.f_a, request, weights.fb_words,
+                                 weights.dt_gate, a_exp, smem.decays, smem.raw_gates,
+                                 smem.gates_arrived, block, tid)
         # the pending count and beta arrive behind the slot: used only now
         n, write, base = self.kept(pending_n)
         if tid < T:
@@ -527,14 +530,16 @@ class FusedVerify(Kernel):
     # === Phase 2 (WAITED): the reads that need no slot, then the item
 
     @cute.jit
-    def load_activations(self, f_a, request, projecting, tid):
-        """The mma B fragments of f_a (if `projecting`): token `group` (mod T), chunk 2 p + j
+    def load_activations(self, f_a, request, projecting, tid, tile: cutlass.Constexpr = 0):
+        """The mma B fragments of f_a (if `projecting`) of mma tile `tile`: token
+        8 tile + `group` (mod T up to 8 tokens, else the last past T), chunk 2 p + j
         holding ranks 32 p + 8 quarter + 4 j + [0, 4) as two bf16x2 words (the f_b
         fragments' k order)."""
         T: cutlass.Constexpr = self.tokens
         lane = tid % 32
         group, quarter = lane // 4, lane % 4
-        token_row = self.offset("f_a", request, group % T)
+        token = group % T if T <= 8 else cutlass.min(8 * tile + group, T - 1)
+        token_row = self.offset("f_a", request, token)
         fragments = cute.make_rmem_tensor((8, 2), cutlass.Uint32)
         if projecting:
             for pair in cutlass.range_constexpr(4):
@@ -615,12 +620,24 @@ class FusedVerify(Kernel):
                   self.rows * K * 4, smem.state_arrived)
 
     @cute.jit
-    def gate_projection(self, activation_words, fb_words, dt_gate, a_exp, decays_out,
-                        raw_gates, gates_arrived, block, tid):
+    def gate_projection(self, activation_words, f_a, request, fb_words, dt_gate, a_exp,
+                        decays_out, raw_gates, gates_arrived, block, tid):
         """raw_g = bf16(f_a . f_b[h]^T) with bf16 mma (this warp: features 16 block +
-        [0, 16), tokens as the 8 columns) into raw_gates, and this step's decays into
-        decays_out, pushed to every CTA of the cluster (their `gates_arrived`) where
-        split > 1."""
+        [0, 16), tokens as the 8 columns of each tile) into raw_gates, and this step's
+        decays into decays_out, pushed to every CTA of the cluster (their
+        `gates_arrived`) where split > 1. activation_words: tile 0's fragments, loaded
+        early; a later tile's are loaded here (held from the start they would spill)."""
+        for tile in cutlass.range_constexpr(self.tiles):
+            words = activation_words
+            if cutlass.const_expr(tile > 0):
+                words = self.load_activations(f_a, request, True, tid, tile)
+            self.project_tile(words, fb_words, dt_gate, a_exp, decays_out, raw_gates,
+                              gates_arrived, block, tile, tid)
+
+    @cute.jit
+    def project_tile(self, activation_words, fb_words, dt_gate, a_exp, decays_out,
+                     raw_gates, gates_arrived, block, tile: cutlass.Constexpr, tid):
+        """`gate_projection` of the tokens 8 tile + [0, 8) (mod T up to 8 tokens)."""
         T: cutlass.Constexpr = self.tokens
         lane = tid % 32
         group, quarter = lane // 4, lane % 4
@@ -661,12 +678,12 @@ class FusedVerify(Kernel):
                 dts.append(cutlass.select_(upper, dt_gate[1], dt_gate[0]))
         else:
             for e in cutlass.range_constexpr(4):
-                tokens.append(2 * quarter + e % 2)
+                tokens.append(8 * tile + 2 * quarter + e % 2)
                 features.append(16 * block + group + 8 * (e // 2))
                 dts.append(dt_gate[e // 2])
         gates = decays(values, a_exp, dts, self.lower_bound)
         for i in cutlass.range_constexpr(per):
-            if tokens[i] < T:  # columns token >= T (T not 2 or 4) repeat token % T
+            if tokens[i] < T:  # columns token >= T (T not 2 or 4) repeat another token
                 raw_gates[tokens[i], features[i]] = BFloat16(values[i])
                 if cutlass.const_expr(self.split > 1):
                     for peer in cutlass.range_constexpr(self.split):
@@ -737,11 +754,10 @@ class FusedVerify(Kernel):
             ancestors[t] = bits
 
     def ancestor_bits(self, smem):
-        """A tree build's nodes' strict ancestors as bits (`find_ancestors`), read from
-        shared memory: [T] Int32; None for a chain."""
-        if not self.trees:
-            return None
-        return [smem.ancestors[t] for t in range(self.tokens)]
+        """A tree build's nodes' strict ancestors as bits (`find_ancestors`): the [T]
+        Int32 shared buffer, read where used (held in registers, T = 16's pair products
+        spill); None for a chain."""
+        return smem.ancestors if self.trees else None
 
     def on_path(self, ancestors, t: int, s: int):
         """Whether node s lies on node t's path (s < t: a strict ancestor; s == t: t)."""

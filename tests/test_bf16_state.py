@@ -117,7 +117,7 @@ def a_path(rng, parents):
 
 
 def steps_of(kind):
-    """The episode of a config: (step, argument) in order."""
+    """The episode of a config, in order: (step, its prompts' width or None)."""
     if kind == "chain":
         return [("prefill", 8), ("verify", None), ("accept", None), ("verify", None),
                 ("accept", None), ("flush", None), ("verify", None), ("accept", None),
@@ -157,7 +157,6 @@ def episode(name, kind):
     parents = path = None
     results = []
     for index, (step, width) in enumerate(steps_of(kind)):
-        before = poison(cache, config, slots, rows)
         if step == "accept":
             accepted = random_accepted(rng, SLOTS, config.tokens)
             if config.trees:
@@ -168,7 +167,7 @@ def episode(name, kind):
             assert_same_cache(cache, expected, f"{kind} step {index} accept",
                               fields=("pending",) + (("nodes",) if config.trees else ()))
             continue
-        key = keys[2 + index]
+        key, before = keys[2 + index], poison(cache, config, slots, rows)
         if step == "verify":
             inputs = DRAW.inputs(key, config, slots, rows)
             if config.trees:

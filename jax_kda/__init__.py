@@ -2,6 +2,7 @@
 replay commit, for JAX; a fused CuTe DSL kernel on Hopper, XLA elsewhere."""
 from jax_kda.backends import BACKENDS, cutedsl_supported
 from jax_kda.commit import accept, flush
+from jax_kda.compile_cache import enable_compile_cache
 from jax_kda.config import K, KdaConfig
 from jax_kda.prefill import prefill
 from jax_kda.pytrees import (AWAITING, KdaCache, KdaParams, PrefillInputs, VerifyInputs,
@@ -13,7 +14,7 @@ from jax_kda import ref  # the references, reachable as jax_kda.ref after `impor
 
 __all__ = [
     "AWAITING", "BACKENDS", "K", "KdaCache", "KdaConfig", "KdaParams", "PrefillInputs",
-    "VerifyInputs", "accept", "cache_shapes", "check_inputs", "cutedsl_supported", "flush",
-    "fused_verify", "head_specs", "init_cache", "local_config", "output_spec", "prefill",
-    "ref",
+    "VerifyInputs", "accept", "cache_shapes", "check_inputs", "cutedsl_supported",
+    "enable_compile_cache", "flush", "fused_verify", "head_specs", "init_cache",
+    "local_config", "output_spec", "prefill", "ref",
 ]

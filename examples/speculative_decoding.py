@@ -25,8 +25,15 @@ drafts that the target's argmax agrees with plus the target's next token;
 `jax_kda.accept` the count, once for all layers. Requests of different prompt lengths
 share the batch; a finished request frees its slot and a waiting one is prefilled into
 it (`jax_kda.prefill(..., layer=i)` in the same scan, one donated jit); empty rows are
-padding. `--layer-list` runs the same model the unstacked way for comparison: a Python
-list of per-layer weights and caches, one `fused_verify` and one `accept` per layer.
+padding. A prefill call computes the admitted prompts alone: in a power of two of rows,
+or a compiled prefill of up to PREFILL_PADDING times their rows (one compile per row
+count, at most log2(batch) + 2), in pieces of at most PREFILL_PIECE tokens, a longer
+prompt resuming from the cache in the next call (`PrefillInputs.resume`). `--layer-list`
+runs the same model the unstacked way for comparison: a Python list of per-layer weights
+and caches, one `fused_verify` and one `accept` per layer.
+
+Everything compiled is kept on disk (`jax_kda.enable_compile_cache`): a second run
+compiles nothing and says it started warm; `--no-compile-cache` compiles afresh.
 
 The proof: every generated token must be the token plain greedy decoding picks after
 the same prefix, with the whole model run over the sequence and every KDA layer the
@@ -60,6 +67,7 @@ Python loop against the device's busy time per step from JAX's profiler trace
 from __future__ import annotations
 
 import argparse
+import collections
 import dataclasses
 import functools
 import re
@@ -90,6 +98,12 @@ TIMED_STEPS = 20  # full-batch decode steps timed on a GPU, in the loop and in t
 DECODE_UNROLL = True
 PREFILL_UNROLL = 1  # rolled: compile time flat in L, for a call made once per admission
 TP_AXIS = "tp"  # the mesh axis of --tp
+# JAX's events of a program loaded from its persistent compile cache, and of one compiled
+CACHE_EVENTS = ("/jax/compilation_cache/cache_hits", "/jax/compilation_cache/cache_misses")
+PREFILL_PIECE = 512  # a prompt's tokens per prefill call; a longer one resumes in the next
+# a compiled prefill takes as few as 1/4 of its rows in prompts: a compile costs seconds,
+# padding rows of a small call milliseconds
+PREFILL_PADDING = 4
 
 
 @dataclasses.dataclass(frozen=True)
@@ -374,16 +388,18 @@ def decode_step(model: Model, cache, last, slots, record_rows, *, config: ModelC
     return cache, target, accepted, top
 
 
-def prefill_step(model: Model, cache, prompts, lengths, slots, record_rows, *,
+def prefill_step(model: Model, cache, prompts, lengths, resume, slots, record_rows, *,
                  config: ModelConfig):
-    """Prefills prompts [B, P] (lengths [B]) into their slots; padding rows have slot 0.
+    """Prefills pieces of prompts [B, P] (lengths [B]) into their slots: a row with
+    resume [B] True continues its prompt from the cache (`PrefillInputs.resume`), the
+    others (every row where resume is None) start one; padding rows have slot 0.
 
-    Returns (cache, first [B], top [B]): each request's first new token, the target's
-    argmax after its last prompt token, and its logit.
+    Returns (cache, first [B], top [B]): the target's argmax after each piece's last
+    token (a request's first new token where the piece ends its prompt), and its logit.
     """
 
     def layer(params, cache, x, f_a, beta, gate, layer):
-        inputs = PrefillInputs(x, f_a, beta, gate, lengths, slots, record_rows)
+        inputs = PrefillInputs(x, f_a, beta, gate, lengths, slots, record_rows, resume)
         return jax_kda.prefill(params, cache, inputs, config.kda, layer=layer)
 
     h, cache = forward(model, config, cache, prompts, layer, PREFILL_UNROLL)
@@ -392,6 +408,7 @@ def prefill_step(model: Model, cache, prompts, lengths, slots, record_rows, *,
     return cache, first, top
 
 
+@functools.partial(jax.jit, static_argnames="config")
 def stock_greedy(model: Model, sequences, lengths, *, config: ModelConfig):
     """Plain greedy decoding's view of sequences [N, P] (lengths [N]): the whole model
     with every KDA layer the stock per-token scan from a zero state, layer by layer on
@@ -428,12 +445,20 @@ def round_up(n, multiple=16):
     return -(-n // multiple) * multiple
 
 
-def indices(live):
-    """Batch rows -> (slots, record_rows) [B] int32: row b of a live request uses slot
-    b + 1 and record row b; other rows are padding (slot 0, record row -1)."""
-    rows = np.arange(len(live), dtype=np.int32)
-    return (np.where(live, rows + 1, 0).astype(np.int32),
-            np.where(live, rows, -1).astype(np.int32))
+def indices(rows):
+    """Batch rows [N] (-1: padding) -> (slots, record_rows) [N] int32: batch row b uses
+    slot b + 1 and record row b; padding slot 0 and record row -1."""
+    rows = np.asarray(rows, np.int32)
+    return np.where(rows >= 0, rows + 1, 0).astype(np.int32), rows
+
+
+def prefill_rows(prompts: int, batch: int, compiled=()) -> int:
+    """Rows of the prefill call that takes `prompts` prompts: the fewest of the
+    `compiled` prefills' row counts that hold them at most PREFILL_PADDING times over,
+    else the next power of two, at most the batch (to compile): a batch of B rows
+    compiles at most floor(log2(B)) + 2 prefills."""
+    fits = [rows for rows in compiled if prompts <= rows <= PREFILL_PADDING * prompts]
+    return min(fits) if fits else min(1 << (prompts - 1).bit_length(), batch)
 
 
 class Engine:
@@ -441,11 +466,24 @@ class Engine:
     donate: one stacked `KdaCache` (layers=L), or with `layer_list` a list of L
     per-layer ones beside per-layer weights. Prompts hold up to `max_prompt` tokens.
     tp > 1: the stacked model and cache split over `tp` devices (`shard_model`), each
-    step a `jax.shard_map` (`tensor_parallel`)."""
+    step a `jax.shard_map` (`tensor_parallel`).
+
+    A prefill call takes the admitted prompts only, in `prefill_rows` rows, in pieces of
+    at most `piece` tokens (rounded up to 16): a longer prompt resumes from the
+    cache in the next call (where max_prompt <= piece none does, and the prefill is
+    compiled without `resume`). The prefill compiles once per row count, when first
+    used (at most `len(self.prefill_shapes)`); the counters say what the calls
+    computed."""
 
     def __init__(self, model: Model, config: ModelConfig, batch: int, max_prompt: int,
-                 backend: str = "auto", layer_list: bool = False, tp: int = 1):
-        self.config, self.batch, self.width = config, batch, round_up(max_prompt)
+                 backend: str = "auto", layer_list: bool = False, tp: int = 1,
+                 piece: int = PREFILL_PIECE):
+        self.config, self.batch = config, batch
+        self.piece = round_up(min(max_prompt, piece))
+        self.resumes = max_prompt > self.piece
+        self.prefill_shapes = sorted({prefill_rows(n, batch) for n in range(1, batch + 1)})
+        self.prefill_calls = self.prefill_positions = 0
+        self.prefill_compile_s = 0.0
         L, kda = config.layers, config.kda
         if layer_list:
             self.model = unstacked(model, config)
@@ -460,17 +498,13 @@ class Engine:
             self.model = shard_model(self.model, mesh)
             specs = model_specs(self.model), jax_kda.head_specs(self.cache, TP_AXIS)
             self.cache = place(self.cache, specs[1], mesh)
-            prefill = tensor_parallel(prefill, mesh, specs, inputs=4, outputs=2)
+            prefill = tensor_parallel(prefill, mesh, specs, inputs=5, outputs=2)
             decode = tensor_parallel(decode, mesh, specs, inputs=3, outputs=3)
-        zeros = np.zeros(batch, np.int32)
-        padding = indices(zeros > 0)
-        tick = time.perf_counter()
-        self._prefill = jax.jit(prefill, donate_argnums=1).lower(
-            self.model, self.cache, padded([[]] * batch, self.width), zeros, *padding).compile()
-        self.prefill_compile_s = time.perf_counter() - tick
+        self._prefill_step, self.prefills = jax.jit(prefill, donate_argnums=1), {}
         tick = time.perf_counter()
         self._decode = jax.jit(decode, donate_argnums=1).lower(
-            self.model, self.cache, zeros, *padding).compile()
+            self.model, self.cache, np.zeros(batch, np.int32),
+            *indices(np.full(batch, -1))).compile()
         self.decode_compile_s = time.perf_counter() - tick
 
     def all_reduces(self) -> int:
@@ -478,32 +512,59 @@ class Engine:
         return len(re.findall(r" all-reduce(?:-start)?\(", self._decode.as_text()))
 
     def prefill(self, texts):
-        """Prefills the rows whose token list in texts (one per row) is not empty, the
-        others padding. Returns (first [B] int32, top [B] f32) as NumPy arrays."""
-        lengths = np.array([len(t) for t in texts], np.int32)
-        self.cache, first, top = self._prefill(self.model, self.cache,
-                                               padded(texts, self.width), lengths,
-                                               *indices(lengths > 0))
-        return np.asarray(first), np.asarray(top)
+        """Prefills the batch rows whose token list in texts (one per row) is not empty;
+        the others are left as they are. Returns (first [B] int32, top [B] f32) as
+        NumPy arrays: each prefilled row's first new token and its logit (0 elsewhere)."""
+        first, top = np.zeros(self.batch, np.int32), np.zeros(self.batch, np.float32)
+        rows, done = [row for row, text in enumerate(texts) if text], 0
+        while rows:
+            size = prefill_rows(len(rows), self.batch, self.prefills)
+            padding = size - len(rows)
+            pieces = [texts[row][done:done + self.piece] for row in rows] + [[]] * padding
+            self.cache, *results = self._compiled_prefill(size)(
+                self.model, self.cache, padded(pieces, self.piece),
+                np.array(list(map(len, pieces)), np.int32),
+                np.full(size, done > 0) if self.resumes else None,
+                *indices(rows + [-1] * padding))
+            self.prefill_calls += 1
+            self.prefill_positions += size * self.piece
+            done += self.piece
+            ended = [i for i, row in enumerate(rows) if len(texts[row]) <= done]
+            for result, out in zip(results, (first, top)):
+                out[[rows[i] for i in ended]] = np.asarray(result)[ended]
+            rows = [row for row in rows if len(texts[row]) > done]
+        return first, top
+
+    def _compiled_prefill(self, rows: int):
+        """The prefill of `rows` rows, compiled at its first use."""
+        if rows not in self.prefills:
+            tick = time.perf_counter()
+            self.prefills[rows] = self._prefill_step.lower(
+                self.model, self.cache, np.zeros((rows, self.piece), np.int32),
+                np.zeros(rows, np.int32), np.zeros(rows, bool) if self.resumes else None,
+                *indices(np.full(rows, -1))).compile()
+            self.prefill_compile_s += time.perf_counter() - tick
+        return self.prefills[rows]
 
     def decode(self, last, live):
         """One decode step of last [B] (live [B] bool; other rows are padding). Returns
         (target [B, T], accepted [B], top [B, T]) as NumPy arrays, as `decode_step`."""
-        self.cache, *results = self._decode(self.model, self.cache, last, *indices(live))
+        rows = np.where(live, np.arange(self.batch), -1)
+        self.cache, *results = self._decode(self.model, self.cache, last, *indices(rows))
         return tuple(map(np.asarray, results))
 
 
 @dataclasses.dataclass
 class Run:
     """What a decoding run produced: per request its new tokens, and per token the
-    top-1 logit of the decision that chose it; plus the bookkeeping."""
+    top-1 logit of the decision that chose it; plus the bookkeeping (seconds without
+    compiles)."""
 
     tokens: list
     tops: list
     steps: int = 0
     row_steps: int = 0
     accepted: int = 0
-    prefill_calls: int = 0
     prefill_s: float = 0.0
     decode_s: float = 0.0
 
@@ -533,11 +594,10 @@ def speculative_decode(engine: Engine, prompts, new_tokens: int, progress=None) 
         for row in admitted:
             row_request[row] = waiting.pop()
         if admitted:
-            tick = time.perf_counter()
+            compiled, tick = engine.prefill_compile_s, time.perf_counter()
             first, top = engine.prefill([prompts[row_request[row]] if row in admitted else []
                                          for row in range(batch)])
-            run.prefill_s += time.perf_counter() - tick
-            run.prefill_calls += 1
+            run.prefill_s += time.perf_counter() - tick - (engine.prefill_compile_s - compiled)
             for row in admitted:
                 take(row, first[row:row + 1], top[row:row + 1])
             continue  # admit again if a one-token request finished already
@@ -601,9 +661,10 @@ def check(model: Model, config: ModelConfig, prompts, run: Run) -> Verdict:
     token. model: the stacked one `init_model` returns."""
     sequences = [p + t for p, t in zip(prompts, run.tokens)]
     lengths = np.array([len(s) for s in sequences], np.int32)
-    stock = jax.jit(functools.partial(stock_greedy, config=config))
-    top, margin, gap = map(np.asarray, stock(
-        model, padded(sequences, round_up(lengths.max())), lengths))
+    # one compile for chains and trees alike: the stock model has no drafts
+    top, margin, gap = map(np.asarray, stock_greedy(
+        model, padded(sequences, round_up(lengths.max())), lengths,
+        config=dataclasses.replace(config, tree=False)))
     where, picked = [], []
     for request, (prompt, tokens) in enumerate(zip(prompts, run.tokens)):
         at = np.arange(len(prompt) - 1, len(prompt) - 1 + len(tokens))
@@ -651,6 +712,11 @@ def parse_args(argv=None):
     parser.add_argument("--seed", type=int, default=0, help="weights and prompts")
     parser.add_argument("--no-check", action="store_true",
                         help="skip the check against stock greedy decoding")
+    parser.add_argument("--compile-cache", default=None, metavar="DIR",
+                        help="the persistent compile cache's directory (default: "
+                             "$XDG_CACHE_HOME/jax_kda or ~/.cache/jax_kda)")
+    parser.add_argument("--no-compile-cache", action="store_true",
+                        help="compile everything afresh, caching nothing on disk")
     args = parser.parse_args(argv)
     for name in ("layers", "heads", "dim", "batch", "requests", "new_tokens", "max_prompt",
                  "tp"):
@@ -681,6 +747,10 @@ def parse_args(argv=None):
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    cache_events = collections.Counter()
+    jax.monitoring.register_event_listener(lambda event, **_: cache_events.update([event]))
+    if not args.no_compile_cache:
+        print(f"compile cache: {jax_kda.enable_compile_cache(args.compile_cache)}")
     drafts = ("chain", "tree") if args.draft == "both" else (args.draft,)
     configs = {name: ModelConfig(vocab=args.vocab, dim=args.dim, layers=args.layers,
                                  heads=args.heads, tokens=args.tokens, tree=name == "tree")
@@ -707,7 +777,8 @@ def main(argv=None) -> int:
                   f"{branches} levels)")
         else:
             print(f"draft chain: the last token and {args.tokens - 1} drafts")
-        result, means[name] = decode_and_check(args, configs[name], model, prompts)
+        result, means[name] = decode_and_check(args, configs[name], model, prompts,
+                                               cache_events)
         status = max(status, result)
     if len(means) > 1:
         print("mean accepted tokens per request per step: " + ", ".join(
@@ -715,10 +786,11 @@ def main(argv=None) -> int:
     return status
 
 
-def decode_and_check(args, config: ModelConfig, model: Model, prompts):
+def decode_and_check(args, config: ModelConfig, model: Model, prompts, cache_events):
     """Decodes every prompt with `config`'s drafts, reports, and checks the tokens
-    against plain greedy decoding. Returns (exit status, mean accepted tokens per
-    request per step)."""
+    against plain greedy decoding. cache_events: counts of JAX's compile cache events
+    (`CACHE_EVENTS`). Returns (exit status, mean accepted tokens per request per
+    step)."""
     def progress(run):
         made = sum(map(len, run.tokens))
         done = sum(len(tokens) == args.new_tokens for tokens in run.tokens)
@@ -726,10 +798,11 @@ def decode_and_check(args, config: ModelConfig, model: Model, prompts):
               f"{run.accepted / run.row_steps:.2f} accepted per request-step, "
               f"{made / (run.prefill_s + run.decode_s):.0f} tokens/s", flush=True)
 
+    cached = dict(cache_events)
     engine = Engine(model, config, args.batch, args.max_prompt, args.backend, args.layer_list,
                     args.tp)
-    print(f"compile: decode step {engine.decode_compile_s:.1f} s, prefill "
-          f"{engine.prefill_compile_s:.1f} s (each once)", flush=True)
+    print(f"compile: decode step {engine.decode_compile_s:.1f} s (the prefill compiles at "
+          f"its first use of each row count)", flush=True)
     if args.tp > 1:
         state = engine.cache.state
         print(f"tensor parallel: {config.heads // args.tp} of {config.heads} heads on each of "
@@ -740,10 +813,20 @@ def decode_and_check(args, config: ModelConfig, model: Model, prompts):
     run = speculative_decode(engine, prompts, args.new_tokens, progress)
     made, prompt_tokens = sum(map(len, run.tokens)), sum(map(len, prompts))
     total = run.prefill_s + run.decode_s
+    loaded, compiled = (cache_events[event] - cached.get(event, 0) for event in CACHE_EVENTS)
+    start = ("compile cache off" if args.no_compile_cache else
+             f"{'warm' if not compiled else 'cold' if not loaded else 'partly warm'} start: "
+             f"{loaded} of {loaded + compiled} XLA programs from the compile cache")
+    print(f"compile: decode step {engine.decode_compile_s:.1f} s, prefill "
+          f"{engine.prefill_compile_s:.1f} s ({len(engine.prefills)} of its "
+          f"{len(engine.prefill_shapes)} shapes compiled: {engine.prefill_shapes} rows x "
+          f"{engine.piece} tokens); {start}")
     print(f"prefill: {prompt_tokens} prompt tokens of {len(prompts)} requests in "
-          f"{run.prefill_calls} calls, {run.prefill_s:.2f} s "
+          f"{engine.prefill_calls} calls, {run.prefill_s:.2f} s "
           f"({100 * run.prefill_s / total:.0f}%, {prompt_tokens / max(run.prefill_s, 1e-9):.0f} "
-          f"prompt tokens/s), each request's first new token")
+          f"prompt tokens/s), each request's first new token; the calls computed "
+          f"{engine.prefill_positions} token positions, "
+          f"{100 * prompt_tokens / engine.prefill_positions:.0f}% of them prompt tokens")
     decoded = made - len(prompts)
     print(f"decode: {run.steps} steps, {decoded} new tokens in {run.decode_s:.2f} s "
           f"({100 * run.decode_s / total:.0f}%, {1e3 * run.decode_s / run.steps:.2f} ms per "

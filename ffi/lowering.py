@@ -13,14 +13,19 @@ The public `cutlass.jax.cutlass_call` is not enough, for three reasons:
   the call wherever CUDA is among a program's platforms (an export for ["cuda", "cpu"]
   too) and raises an error naming the entry point where it is not.
 The aliases (cache buffers written in place) come from the kernel's signature, counted
-among the operands that are there (an absent optional operand takes no buffer).
+among the operands that are there (an absent optional operand takes no buffer). With
+`jax_kda.enable_compile_cache` on, a kernel's binary is read back from disk where an
+earlier process built it (`kernel_key`).
 """
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 
 import jax
 from jax.interpreters import mlir
+
+from jax_kda import compile_cache
 
 
 def among_present(aliases, present) -> dict:
@@ -32,11 +37,12 @@ def among_present(aliases, present) -> dict:
 def for_xla(kernel, arch: str, options: str):
     """The binding of `jax_kda.kernels.compile.compiled` for the custom call: `kernel`
     compiled for `arch` (which `options` names) and XLA's FFI (CuTe DSL's call target),
-    on its signature at symbolic sizes, row-major buffers. CuTe DSL dumps the object
-    only for the arch it takes itself to run on (sm_100a on a host without a GPU), so
-    that is `arch` while it compiles."""
+    on its signature at symbolic sizes, row-major buffers: its object file, read from
+    the compile cache where it holds one (`kernel_key`). CuTe DSL dumps the object only
+    for the arch it takes itself to run on (sm_100a on a host without a GPU), so that is
+    `arch` while it compiles."""
     from cutlass.cutlass_dsl.cutlass import CuTeDSL
-    from cutlass.jax.compile import Arg, FunctionSpec, get_or_compile_kernel
+    from cutlass.jax.compile import Arg, CompileResult, FunctionSpec, get_or_compile_kernel
     from cutlass.jax.types import default_tensor_spec
 
     signature = kernel.signature(*jax.export.symbolic_shape(", ".join(kernel.dims)))
@@ -62,9 +68,23 @@ def for_xla(kernel, arch: str, options: str):
     runtime = envar._arch
     envar.arch = arch
     try:
-        return get_or_compile_kernel(kernel, spec, compile_key=kernel)
+        module = compile_cache.stored(kernel_key(kernel, options, envar), lambda: (
+            get_or_compile_kernel(kernel, spec, compile_key=kernel).module))
     finally:
         envar._arch = runtime
+    return CompileResult(module=module, fingerprint=hashlib.sha256(module).digest(), spec=spec)
+
+
+def kernel_key(kernel, options: str, envar) -> str:
+    """What a kernel's binary depends on: its class and compile-time values
+    (`Kernel.key`), the compile options (the arch among them), the DSL's version and
+    compile-affecting settings (`envar`'s, the GPU arch and the CUDA libraries among
+    them) and jax_kda's source."""
+    import cutlass
+
+    kind = type(kernel)
+    return repr((f"{kind.__module__}.{kind.__qualname__}", kernel.key(), options,
+                 cutlass.__version__, envar.cache_key_str(), compile_cache.source_digest()))
 
 
 def launch(kernel, arrays, outputs):

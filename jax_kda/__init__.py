@@ -2,10 +2,11 @@
 replay commit, for JAX; a fused CuTe DSL kernel on Hopper, XLA elsewhere."""
 from jax_kda.backends import BACKENDS, cutedsl_supported
 from jax_kda.commit import accept, flush
+from jax_kda.compile_cache import enable_compile_cache
 from jax_kda.config import K, KdaConfig
 from jax_kda.prefill import prefill
 from jax_kda.pytrees import (AWAITING, KdaCache, KdaParams, PrefillInputs, VerifyInputs,
-                             init_cache)
+                             cache_shapes, init_cache)
 from jax_kda.sharding import head_specs, local_config, output_spec
 from jax_kda.validate import check_inputs
 from jax_kda.verify import fused_verify
@@ -13,6 +14,7 @@ from jax_kda import ref  # the references, reachable as jax_kda.ref after `impor
 
 __all__ = [
     "AWAITING", "BACKENDS", "K", "KdaCache", "KdaConfig", "KdaParams", "PrefillInputs",
-    "VerifyInputs", "accept", "check_inputs", "cutedsl_supported", "flush", "fused_verify",
-    "head_specs", "init_cache", "local_config", "output_spec", "prefill", "ref",
+    "VerifyInputs", "accept", "cache_shapes", "check_inputs", "cutedsl_supported",
+    "enable_compile_cache", "flush", "fused_verify", "head_specs", "init_cache",
+    "local_config", "output_spec", "prefill", "ref",
 ]

@@ -100,8 +100,10 @@ def read(buffer, layer, index):
 
 def write(buffer, layer, index, values):
     """`read`'s rows set to values, rows past the buffer dropped; in place when the
-    buffer is donated. (XLA:CPU alone converts a bf16 buffer to f32 and back around a
-    gather or scatter, which costs O(buffer) there.)"""
+    buffer is donated. Values are converted to the buffer's dtype, rounded to nearest
+    even: a bf16 checkpoint's one rounding point (docs/spec.md, "State dtype"). (XLA:CPU
+    alone converts a bf16 buffer to f32 and back around a gather or scatter, which costs
+    O(buffer) there.)"""
     return buffer.at[_where(layer, index)].set(values.astype(buffer.dtype), mode="drop")
 
 
@@ -115,8 +117,10 @@ def write_pending(cache: KdaCache, rows: Rows, value):
 
 
 def read_state(cache: KdaCache, rows: Rows):
-    """S_0 per request: [B, H, K, K] (padding rows read the null slot)."""
-    return read(cache.state, rows.layer, jnp.where(rows.live, rows.slot, 0))
+    """S_0 per request: [B, H, K, K] f32, a bf16 checkpoint widened exactly (padding
+    rows read the null slot)."""
+    state = read(cache.state, rows.layer, jnp.where(rows.live, rows.slot, 0))
+    return state.astype(jnp.float32)
 
 
 def read_replay(params: KdaParams, cache: KdaCache, rows: Rows,
@@ -158,7 +162,8 @@ def read_history(cache: KdaCache, rows: Rows):
 
 def write_state(cache: KdaCache, rows: Rows, state_0, state_n, folded):
     """cache.state with S_n written in the heads where `folded` ([B, H] bool), S_0 kept
-    in a request's other heads; a request with none folded is not written."""
+    in a request's other heads; a request with none folded is not written. (S_0 is
+    `read_state`'s, so a bf16 checkpoint's heads that keep it round back to themselves.)"""
     S = cache.state.shape[-4]
     state = jnp.where(folded[..., None, None], state_n, state_0)
     return write(cache.state, rows.layer, jnp.where(folded.any(1), rows.slot, S), state)

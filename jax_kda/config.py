@@ -6,7 +6,9 @@ import dataclasses
 import math
 import numbers
 
+import jax.numpy as jnp
 import numpy as np
+from jax.typing import DTypeLike
 
 K = 128  # key and value head dim, and the gate projection's rank
 CONV_TAPS = 4  # the short convolution's width
@@ -36,6 +38,20 @@ def boolean(value, allowed):
     if isinstance(value, (bool, np.bool_)) and allowed(bool(value)):
         return bool(value)
     return None
+
+
+def dtype_of(value, allowed):
+    """value as a NumPy dtype (from a dtype, a scalar type or its name) in `allowed`."""
+    if value is None or isinstance(value, (bool, numbers.Number)):
+        return None
+    try:
+        normal = jnp.dtype(value)
+    except TypeError:
+        return None
+    return normal if allowed(normal) else None
+
+
+STATE_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))  # a checkpoint's storage
 
 
 def real(value, allowed):
@@ -113,6 +129,7 @@ class KdaConfig:
     split: int | None = None
     checkpoint_every: int = 1
     trees: bool = False
+    state_dtype: DTypeLike = jnp.float32
 
     def __post_init__(self):
         rules = [
@@ -130,6 +147,8 @@ class KdaConfig:
              "a bool" if self.checkpoint_every == 1 else
              f"False at checkpoint_every={self.checkpoint_every} (trees need 1: a kept "
              f"path's records would lie under the next verify's nodes)"),
+            ("state_dtype", dtype_of, lambda v: v in STATE_DTYPES,
+             "jnp.float32 or jnp.bfloat16"),
         ]
         for name, kind, allowed, expected in rules:
             value = getattr(self, name)

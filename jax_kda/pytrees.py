@@ -53,7 +53,8 @@ class KdaCache:
     """Per-request decode state: the checkpoint plus the records of the last verify
     (each with a leading [L] when stacked).
 
-    state: [S, H, K, K] f32, checkpoint per slot, [value row, key column].
+    state: [S, H, K, K] `KdaConfig.state_dtype` (f32 by default, or bf16), checkpoint
+      per slot, [value row, key column].
     conv: [S, 3, H, K, W] bf16, convolution window per slot: the three inputs before
       record token 0, then at position j + 3 the input of record token j.
     corrections: [R, H, RQ, K] f32, recorded u_t per value row.
@@ -123,14 +124,14 @@ class VerifyInputs:
 
 def cache_shapes(config: KdaConfig, num_slots: int, num_records: int,
                  layers: int | None = None) -> KdaCache:
-    """The cache's shapes and dtypes (`jax.ShapeDtypeStruct`s); nodes None without
-    trees."""
+    """The cache's shapes and dtypes (`jax.ShapeDtypeStruct`s): the state in
+    config.state_dtype; nodes None without trees."""
     H, RQ, W = config.heads, config.rq, config.window
     lead = () if layers is None else (layers,)
     S, R = num_slots, num_records
     struct = lambda shape, dtype: jax.ShapeDtypeStruct(lead + shape, dtype)
     return KdaCache(
-        state=struct((S, H, K, K), jnp.float32),
+        state=struct((S, H, K, K), config.state_dtype),
         conv=struct((S, 3, H, K, W), jnp.bfloat16),
         corrections=struct((R, H, RQ, K), jnp.float32),
         key_gates=struct((R, H, RQ, 2, K), jnp.bfloat16),

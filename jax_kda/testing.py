@@ -51,7 +51,8 @@ def random_cache(key, config: KdaConfig, num_slots: int, num_records: int, *,
                                 RQ - 1)
         nodes = jnp.broadcast_to(positions[:, None, :], shapes.nodes.shape)
     return KdaCache(
-        state=0.5 * jax.random.normal(k[0], shapes.state.shape, jnp.float32),
+        state=(0.5 * jax.random.normal(k[0], shapes.state.shape, jnp.float32)).astype(
+            shapes.state.dtype),
         conv=jax.random.normal(k[1], shapes.conv.shape).astype(jnp.bfloat16),
         corrections=jax.random.normal(k[2], shapes.corrections.shape, jnp.float32),
         key_gates=jax.random.normal(k[3], shapes.key_gates.shape).astype(jnp.bfloat16),

@@ -75,8 +75,14 @@ def check_cache(cache: KdaCache, config: KdaConfig, stacked: bool | None = None)
     if stacked is None:
         stacked = getattr(cache.state, "ndim", 4) == 5
     H, RQ, W = config.heads, config.rq, config.window
-    sizes = expect("cache.state", cache.state, _lead(stacked) + [
-        ("S", None), ("H", H), (None, K), (None, K)], (F32,))
+    state_dims = _lead(stacked) + [("S", None), ("H", H), (None, K), (None, K)]
+    try:
+        sizes = expect("cache.state", cache.state, state_dims, (config.state_dtype,))
+    except ValueError as error:
+        if jnp.dtype(cache.state.dtype) == config.state_dtype:
+            raise
+        raise ValueError(f"{error}: config.state_dtype is {config.state_dtype.name} "
+                         "(init_cache(config, ...) makes a cache of it)") from None
     S, L = sizes["S"], sizes.get("L")
     lead = _lead(False if L is None else L)
     expect("cache.conv", cache.conv,

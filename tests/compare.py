@@ -46,11 +46,16 @@ def scaled_error(actual, expected):
     return float(gap.max() / buffer_scale(expected)) if gap.size else 0.0
 
 
+def bf16_ulp(expected):
+    """One bf16 ulp of each expected value (8 significant bits; that of 1e-30 for 0 and
+    non-finite values)."""
+    e = np.nan_to_num(np.asarray(expected, np.float64), posinf=0.0, neginf=0.0)
+    return np.ldexp(1.0, np.floor(np.log2(np.maximum(np.abs(e), 1e-30))).astype(int) - 7)
+
+
 def bf16_ulps(actual, expected):
     """|actual - expected| in bf16 ulps of expected (8 significant bits)."""
-    e = np.nan_to_num(np.asarray(expected, np.float64), posinf=0.0, neginf=0.0)
-    ulp = np.ldexp(1.0, np.floor(np.log2(np.maximum(np.abs(e), 1e-30))).astype(int) - 7)
-    return difference(actual, expected) / ulp
+    return difference(actual, expected) / bf16_ulp(expected)
 
 
 def bits(array):

@@ -7,9 +7,14 @@ layers (a leading [L] on every leaf, `layer=i`).
 The bf16 roundings sit at the stock points (via ml_dtypes). The values rounded there
 are computed as docs/spec.md pins them: the convolution and its SiLU in FP32 with the
 taps in order, the gate projection as FP32 chains in gate_mode's order; everything
-else (norms, decays, the recurrence, the gated RMSNorm) is float64. Nothing is
-imported from jax_kda: arguments are read through their attribute names and converted
-with numpy, and the results are SimpleNamespaces of numpy arrays in the stored dtypes.
+else (norms, decays, the recurrence, the gated RMSNorm) is float64. A checkpoint is
+stored in its buffer's dtype where it is written: a bf16 state rounded to nearest even
+from float64 by this module's own bit operations (`round_bf16_bits`), so the state's
+one rounding shares no code with the package or ml_dtypes (`rounding` selects the
+variants a test tells apart: "once", the contract; "twice", also where the replayed
+state is used; "never", a float64 state). Nothing is imported from jax_kda: arguments
+are read through their attribute names and converted with numpy, and the results are
+SimpleNamespaces of numpy arrays in the stored dtypes.
 """
 from __future__ import annotations
 
@@ -32,6 +37,50 @@ def bf16(x):
 
 def f64(x):
     return np.asarray(x).astype(np.float64)
+
+
+def round_bf16_bits(x):
+    """x (float64) rounded to the nearest bf16 value, ties to even, as float64: the
+    53-bit significand cut by integer operations to bf16's 8 bits (fewer below its
+    smallest normal 2^-126, where its spacing stays 2^-133); inf beyond its largest
+    finite value; NaN and inf as they are. One rounding from float64: no float32 step
+    in between (which could round a value just past a bf16 tie onto the tie)."""
+    x = np.asarray(x, np.float64)
+    bits = x.view(np.uint64)
+    biased = ((bits >> np.uint64(52)) & np.uint64(0x7FF)).astype(np.int64)
+    fraction = bits & np.uint64((1 << 52) - 1)
+    significand = np.where(biased > 0, fraction | np.uint64(1 << 52), fraction)
+    exponent = np.maximum(biased, 1) - 1075  # |x| = significand * 2^exponent
+    spacing = np.maximum(np.maximum(biased, 1) - 1023, -126) - 7  # log2 of bf16's spacing
+    drop = np.minimum(spacing - exponent, 62).astype(np.uint64)  # >= 45 significand bits
+    kept = significand >> drop
+    rest = significand & ((np.uint64(1) << drop) - np.uint64(1))
+    half = np.uint64(1) << (drop - np.uint64(1))
+    kept = kept + ((rest > half) | ((rest == half) & (kept & np.uint64(1) == 1)))
+    with np.errstate(over="ignore"):  # inf and NaN: replaced below
+        magnitude = np.ldexp(kept.astype(np.float64), exponent + drop.astype(np.int64))
+    magnitude = np.where(magnitude >= 2.0**128, np.inf, magnitude)
+    rounded = np.where(bits >> np.uint64(63) == 1, -magnitude, magnitude)
+    return np.where(np.isfinite(x), rounded, x)
+
+
+ROUNDINGS = ("once", "twice", "never")
+
+
+def stored(state, buffer):
+    """`state` (float64) as a checkpoint `buffer` of its dtype keeps it: bf16 rounded by
+    `round_bf16_bits` (then exact in the buffer), float32 by NumPy's cast on assignment,
+    float64 (rounding "never") as it is."""
+    if buffer.dtype.name == "bfloat16":
+        return round_bf16_bits(state)
+    return state
+
+
+def replayed(state, buffer, rounding):
+    """The replayed state a step continues from: S_n itself (the contract), or for
+    rounding "twice" as if written and read back first (a second rounding of what the
+    write rounds again)."""
+    return stored(state, buffer) if rounding == "twice" else state
 
 
 def sigmoid(x):
@@ -94,11 +143,14 @@ def kept_records(pending, RQ):
     return np.clip(np.where(pending >= 0, pending, -(pending + 1)), 0, RQ)
 
 
-def copy_cache(cache):
+def copy_cache(cache, rounding="once"):
     """The cache as a SimpleNamespace of numpy copies in the stored dtypes (nodes None
-    without trees)."""
-    return SimpleNamespace(**{name: None if getattr(cache, name, None) is None
-                              else np.array(getattr(cache, name)) for name in CACHE_FIELDS})
+    without trees; with rounding "never", the state in float64)."""
+    new = SimpleNamespace(**{name: None if getattr(cache, name, None) is None
+                             else np.array(getattr(cache, name)) for name in CACHE_FIELDS})
+    if rounding == "never":
+        new.state = new.state.astype(np.float64)
+    return new
 
 
 def tree_parents(parents, T):
@@ -140,18 +192,20 @@ def _stacked(one_layer):
     with `layer`: a layer outside [0, L) makes every row a padding row (zero out, the
     cache unchanged); layer None calls it on one layer's arguments."""
 
-    def run(params, cache, batch, config, layer=None):
+    def run(params, cache, batch, config, layer=None, rounding="once"):
+        assert rounding in ROUNDINGS, rounding
         if layer is None:
-            return one_layer(params, cache, batch, config)
-        new = copy_cache(cache)
+            return one_layer(params, cache, batch, config, rounding=rounding)
+        new = copy_cache(cache, rounding)
         L = new.state.shape[0]
         layer = int(layer)
         if not 0 <= layer < L:
             out, _ = one_layer(_layer(params, PARAM_FIELDS, 0), _layer(cache, CACHE_FIELDS, 0),
-                               batch, config, padding=True)
+                               batch, config, padding=True, rounding=rounding)
             return out, new
         out, layer_cache = one_layer(_layer(params, PARAM_FIELDS, layer),
-                                     _layer(cache, CACHE_FIELDS, layer), batch, config)
+                                     _layer(cache, CACHE_FIELDS, layer), batch, config,
+                                     rounding=rounding)
         for name in CACHE_FIELDS:
             if getattr(new, name) is not None:
                 getattr(new, name)[layer] = getattr(layer_cache, name)
@@ -241,12 +295,12 @@ def _tree_tokens(state, history, x, f_a, beta_logit, gate, parents, w, h, config
     return out, u_all, key_all, raw_all
 
 
-def _verify_one(params, cache, inputs, config, padding=False):
+def _verify_one(params, cache, inputs, config, padding=False, rounding="once"):
     """One verify of one layer (docs/spec.md, steps 0-9): returns (out [B, T, H, K] bf16
     values as float64, cache)."""
     H, T, RQ, _ = _sizes(config)
     w = _weights(params)
-    old, new = copy_cache(cache), copy_cache(cache)
+    old, new = copy_cache(cache), copy_cache(cache, rounding)
     raw_x = np.asarray(inputs.x)  # bf16, stored into the window as it is
     x, f_a = f64(inputs.x), f64(inputs.f_a)
     beta_logit, gate = f64(inputs.beta), f64(inputs.gate)
@@ -265,11 +319,12 @@ def _verify_one(params, cache, inputs, config, padding=False):
         has_records = 0 <= rec < R
         for h in range(H):
             n = int(kept_records(old.pending[rec, h], RQ)) if has_records else 0
-            state = _replay(old, slot, rec, h, n, w, config.lower_bound)
+            state = replayed(_replay(old, slot, rec, h, n, w, config.lower_bound),
+                             new.state, rounding)
             # lazy checkpoint: the n tokens stay in the records, this verify's go after
             keep = config.checkpoint_every > 1 and n + T <= RQ
             if n > 0 and not keep:
-                new.state[slot, h] = state
+                new.state[slot, h] = stored(state, new.state)
             base = n if keep else 0
             window = old.conv[slot, :, h]  # [3 parts, K, W] bf16
             kept = history_positions(old.nodes, rec, h, n) if has_records else [0, 1, 2]
@@ -298,8 +353,9 @@ def _verify_one(params, cache, inputs, config, padding=False):
 
 verify = _stacked(_verify_one)
 verify.__doc__ = """One verify (docs/spec.md, steps 0-9), of one layer or, with `layer`,
-of layer `layer` of stacked params and cache. Returns (out [B, T, H, K] bf16 values as
-float64, cache as numpy arrays)."""
+of layer `layer` of stacked params and cache; `rounding` of the state: one of ROUNDINGS
+(`replayed`). Returns (out [B, T, H, K] bf16 values as float64, cache as numpy
+arrays)."""
 
 
 def accept(cache, record_rows, accepted, config, path=None):
@@ -342,11 +398,11 @@ def accept(cache, record_rows, accepted, config, path=None):
     return new
 
 
-def _flush_one(params, cache, batch, config):
+def _flush_one(params, cache, batch, config, rounding="once"):
     slots, record_rows = batch
     H, _, RQ, _ = _sizes(config)
     w = _weights(params)
-    old, new = copy_cache(cache), copy_cache(cache)
+    old, new = copy_cache(cache), copy_cache(cache, rounding)
     S, R = old.state.shape[0], old.pending.shape[0]
     for slot, rec in zip(np.asarray(slots).tolist(), np.asarray(record_rows).tolist()):
         if not 0 < slot < S:
@@ -355,7 +411,8 @@ def _flush_one(params, cache, batch, config):
         for h in range(H):
             n = int(kept_records(old.pending[rec, h], RQ)) if has_records else 0
             if n > 0:
-                new.state[slot, h] = _replay(old, slot, rec, h, n, w, config.lower_bound)
+                new.state[slot, h] = stored(_replay(old, slot, rec, h, n, w,
+                                                    config.lower_bound), new.state)
             kept = history_positions(old.nodes, rec, h, n) if has_records else [0, 1, 2]
             new.conv[slot, :, h, :, :3] = old.conv[slot, :, h][..., kept]
         if has_records:
@@ -363,30 +420,31 @@ def _flush_one(params, cache, batch, config):
     return None, new
 
 
-def flush(params, cache, slots, record_rows, config):
+def flush(params, cache, slots, record_rows, config, rounding="once"):
     """The runner's flush (docs/spec.md): each live request's S_n into state[slot],
     window[0..2] := window[n..n+2], pending := 0 (records left), in every layer of a
     stacked cache (params stacked alike)."""
+    assert rounding in ROUNDINGS, rounding
     if np.ndim(cache.pending) == 2:
-        return _flush_one(params, cache, (slots, record_rows), config)[1]
-    new = copy_cache(cache)
+        return _flush_one(params, cache, (slots, record_rows), config, rounding)[1]
+    new = copy_cache(cache, rounding)
     for layer in range(new.state.shape[0]):
         _, layer_cache = _flush_one(_layer(params, PARAM_FIELDS, layer),
                                     _layer(cache, CACHE_FIELDS, layer),
-                                    (slots, record_rows), config)
+                                    (slots, record_rows), config, rounding)
         for name in CACHE_FIELDS:
             if getattr(new, name) is not None:
                 getattr(new, name)[layer] = getattr(layer_cache, name)
     return new
 
 
-def _prefill_one(params, cache, inputs, config, padding=False):
+def _prefill_one(params, cache, inputs, config, padding=False, rounding="once"):
     """Prefill of one layer (docs/spec.md, "Prefill"): a new prompt from a zero state and
     history, a resumed one from the checkpoint with its kept records folded in and the
     window's history."""
     H, _, RQ, _ = _sizes(config)
     w = _weights(params)
-    old, new = copy_cache(cache), copy_cache(cache)
+    old, new = copy_cache(cache), copy_cache(cache, rounding)
     raw_x = np.asarray(inputs.x)
     x, f_a = f64(inputs.x), f64(inputs.f_a)
     beta_logit, gate = f64(inputs.beta), f64(inputs.gate)
@@ -409,14 +467,15 @@ def _prefill_one(params, cache, inputs, config, padding=False):
             n = int(kept_records(old.pending[rec, h], RQ)) if has_records and resume[b] else 0
             state, history = np.zeros((K, K)), np.zeros((3, 3, K))
             if resume[b]:
-                state = _replay(old, slot, rec, h, n, w, config.lower_bound)
+                state = replayed(_replay(old, slot, rec, h, n, w, config.lower_bound),
+                                 new.state, rounding)
                 kept = history_positions(old.nodes, rec, h, n) if has_records else [0, 1, 2]
                 window[:, h] = old.conv[slot, :, h][..., kept]
                 history = np.moveaxis(f64(window[:, h]), -1, 1)  # [3 parts, 3, K]
             state, out[b, :count, h], _, _, _ = _tokens(
                 state, history, x[b, :count, :, h], f_a[b, :count], beta_logit[b, :count, h],
                 gate[b, :count, h], w, h, config, count)
-            new.state[slot, h] = state
+            new.state[slot, h] = stored(state, new.state)
         # [history, x] per position, [positions, 3, H, K]; its last three are the window
         seq = np.concatenate([np.moveaxis(window, -1, 0), raw_x[b, :count]])
         new.conv[slot, ..., :3] = np.moveaxis(seq[-3:], 0, -1)
@@ -427,4 +486,5 @@ def _prefill_one(params, cache, inputs, config, padding=False):
 
 prefill = _stacked(_prefill_one)
 prefill.__doc__ = """Prefill (docs/spec.md, "Prefill") of one layer or, with `layer`,
-of layer `layer` of stacked params and cache: (out [B, P, H, K] as float64, cache)."""
+of layer `layer` of stacked params and cache; `rounding` as for `verify`: (out
+[B, P, H, K] as float64, cache)."""

@@ -36,17 +36,17 @@ OPS = ("verify", "decode", "accept", "flush", "prefill")
 verify = functools.partial(fused_verify, backend="jax")
 
 
-def arguments(draw, variant, num_slots):
+def arguments(draw, variant, num_slots, config=CONFIG):
     """(params, cache, inputs, prompts, accepted) of a variant: a zero cache whose rows
     all hold pending 1 (a verify replays), requests at slots 3 and 7."""
     B, layer = VARIANTS[variant]
     layers = None if layer is None else LAYERS
-    params = draw.params(draw.key(1), CONFIG, layers=layers)
-    cache = init_cache(CONFIG, num_slots, NUM_RECORDS, layers=layers)
+    params = draw.params(draw.key(1), config, layers=layers)
+    cache = init_cache(config, num_slots, NUM_RECORDS, layers=layers)
     cache = dataclasses.replace(cache, pending=jnp.ones_like(cache.pending))
     slots = jnp.asarray([3, 7][:B], jnp.int32)
     rows = jnp.asarray([1, 4][:B], jnp.int32)
-    inputs = draw.inputs(draw.key(2), CONFIG, slots, rows)
+    inputs = draw.inputs(draw.key(2), config, slots, rows)
     rng = np.random.default_rng(3)
     bf16 = lambda *shape: jnp.asarray(rng.standard_normal(shape), jnp.bfloat16)
     H = CONFIG.heads
@@ -56,24 +56,24 @@ def arguments(draw, variant, num_slots):
     return params, cache, inputs, prompts, jnp.ones((B,), jnp.int32)
 
 
-def program(op, variant):
+def program(op, variant, config=CONFIG):
     """(jitted function donating the cache, how to call it from `arguments`, index of
     the cache's first leaf among its outputs)."""
     layer = VARIANTS[variant][1]
 
     def decode(params, cache, inputs, accepted):  # the runner's step: verify, accept
-        out, cache = verify(params, cache, inputs, CONFIG, layer=layer)
-        return out, accept(cache, inputs.record_rows, accepted, CONFIG)
+        out, cache = verify(params, cache, inputs, config, layer=layer)
+        return out, accept(cache, inputs.record_rows, accepted, config)
 
     table = {
-        "verify": (lambda p, c, i: verify(p, c, i, CONFIG, layer=layer), 1,
+        "verify": (lambda p, c, i: verify(p, c, i, config, layer=layer), 1,
                    lambda p, c, i, pr, a: (p, c, i), 1),
         "decode": (decode, 1, lambda p, c, i, pr, a: (p, c, i, a), 1),
-        "accept": (lambda c, rows, a: accept(c, rows, a, CONFIG), 0,
+        "accept": (lambda c, rows, a: accept(c, rows, a, config), 0,
                    lambda p, c, i, pr, a: (c, i.record_rows, a), 0),
-        "flush": (lambda p, c, slots, rows: flush(p, c, slots, rows, CONFIG), 1,
+        "flush": (lambda p, c, slots, rows: flush(p, c, slots, rows, config), 1,
                   lambda p, c, i, pr, a: (p, c, i.slots, i.record_rows), 0),
-        "prefill": (lambda p, c, pr: prefill(p, c, pr, CONFIG, layer=layer), 1,
+        "prefill": (lambda p, c, pr: prefill(p, c, pr, config, layer=layer), 1,
                     lambda p, c, i, pr, a: (p, c, pr), 1),
     }
     function, donated, pick, first = table[op]
@@ -83,13 +83,13 @@ def program(op, variant):
 _COMPILED = {}
 
 
-def compiled(draw, op, variant, num_slots):
+def compiled(draw, op, variant, num_slots, config=CONFIG):
     """(compiled program, its arguments, donated position, first cache output), once
     per module: each compile costs a second or more."""
-    key = op, variant, num_slots
+    key = op, variant, num_slots, config
     if key not in _COMPILED:
-        function, donated, pick, first = program(op, variant)
-        args = pick(*arguments(draw, variant, num_slots))
+        function, donated, pick, first = program(op, variant, config)
+        args = pick(*arguments(draw, variant, num_slots, config))
         _COMPILED[key] = function.lower(*args).compile(), args, donated, first
     return _COMPILED[key]
 
@@ -140,6 +140,19 @@ def test_no_whole_copy(draw, op, variant, field):
     buffer = getattr(args[donated], field)
     assert aliased(text, buffer, first + FIELDS.index(field)), f"cache.{field} not aliased"
     assert whole_copies(text, buffer) == []
+
+
+@BF16_UPCAST
+@pytest.mark.parametrize("op", ["verify", "flush", "prefill"])
+def test_no_whole_copy_of_a_bf16_state(draw, op):
+    """A bf16 state (KdaConfig.state_dtype) is written in place too, where XLA allows it:
+    XLA:CPU upcasts it around the scatter as it does the window (BF16_UPCAST)."""
+    config = dataclasses.replace(CONFIG, state_dtype=jnp.bfloat16)
+    executable, args, donated, first = compiled(draw, op, "B2", SMALL, config)
+    text = executable.as_text()
+    state = args[donated].state
+    assert aliased(text, state, first), "cache.state not aliased"
+    assert whole_copies(text, state) == []
 
 
 def pointers(cache):

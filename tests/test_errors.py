@@ -8,7 +8,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jax_kda import AWAITING, KdaConfig, accept, check_inputs, flush, fused_verify, init_cache
+from jax_kda import (AWAITING, KdaConfig, PrefillInputs, accept, check_inputs, flush,
+                     fused_verify, init_cache, prefill)
 from jax_kda.ref import stock_verify
 
 CONFIG = KdaConfig(heads=2, tokens=4)
@@ -167,6 +168,18 @@ CONFIG_ERRORS = [
     ("lower_bound_overflow", {"lower_bound": -1e39},
      f"lower_bound: expected a float < 0 {FP32}, got -1e+39 (-inf in FP32: out of range)"),
     ("eps_bool", {"eps": True}, f"eps: expected a float > 0 {FP32}, got True"),
+    ("state_dtype_f16", {"state_dtype": jnp.float16},
+     "state_dtype: expected jnp.float32 or jnp.bfloat16, got <class 'jax.numpy.float16'>"),
+    ("state_dtype_f64", {"state_dtype": float},
+     "state_dtype: expected jnp.float32 or jnp.bfloat16, got <class 'float'>"),
+    ("state_dtype_int32", {"state_dtype": "int32"},
+     "state_dtype: expected jnp.float32 or jnp.bfloat16, got 'int32'"),
+    ("state_dtype_name", {"state_dtype": "bf16"},
+     "state_dtype: expected jnp.float32 or jnp.bfloat16, got 'bf16'"),
+    ("state_dtype_None", {"state_dtype": None},
+     "state_dtype: expected jnp.float32 or jnp.bfloat16, got None"),
+    ("state_dtype_number", {"state_dtype": 16},
+     "state_dtype: expected jnp.float32 or jnp.bfloat16, got 16"),
 ]
 
 
@@ -176,6 +189,43 @@ def test_config_errors(fields, message):
     fields = {"heads": 2, "tokens": 4, **fields}
     with pytest.raises(ValueError, match=f"^{re.escape(message)}$"):
         KdaConfig(**fields)
+
+
+def test_state_dtype_of_the_cache_and_the_config_must_agree(arguments):
+    """A cache made for one state_dtype, given with a config of the other, names the
+    config's field (verify, flush, accept, check_inputs: every entry checks the cache)."""
+    params, cache, inputs = arguments
+    bf16 = dataclasses.replace(CONFIG, state_dtype=BF16)
+    hint = "(init_cache(config, ...) makes a cache of it)"
+    rows = zeros((2,), I32)
+    for config, state, message in (
+            (bf16, cache.state, "cache.state: expected [S, H=2, 128, 128] bfloat16, got "
+             f"[5, 2, 128, 128] float32: config.state_dtype is bfloat16 {hint}"),
+            (CONFIG, cache.state.astype(BF16), "cache.state: expected [S, H=2, 128, 128] "
+             f"float32, got [5, 2, 128, 128] bfloat16: config.state_dtype is float32 {hint}")):
+        given = replaced(cache, state=state)
+        for call in (lambda: stock_verify(params, given, inputs, config),
+                     lambda: flush(params, given, rows, rows, config),
+                     lambda: accept(given, rows, rows, config),
+                     lambda: check_inputs(given, [1, 2], [0, 1], config)):
+            with pytest.raises(ValueError, match=f"^{re.escape(message)}$"):
+                call()
+
+
+def test_kernels_refuse_a_bf16_state(arguments):
+    """backend="cutedsl" with a bf16 state raises at trace time, for the verify and the
+    prefill ("auto" plans it in XLA: test_bf16_state.py)."""
+    params, cache, inputs = arguments
+    bf16 = dataclasses.replace(CONFIG, state_dtype=BF16)
+    cache = replaced(cache, state=cache.state.astype(BF16))
+    prompts = PrefillInputs(inputs.x, inputs.f_a, inputs.beta, inputs.gate,
+                            zeros((2,), I32), inputs.slots, inputs.record_rows)
+    message = ("backend='cutedsl': the kernels take an FP32 state, got state_dtype=bfloat16; "
+               "use backend='auto' or backend='jax' (XLA rounds the state where it writes it)")
+    for call in (lambda: fused_verify(params, cache, inputs, bf16, backend="cutedsl"),
+                 lambda: prefill(params, cache, prompts, bf16, backend="cutedsl")):
+        with pytest.raises(ValueError, match=f"^{re.escape(message)}"):
+            call()
 
 
 def test_config_takes_numpy_numbers_and_stores_python_ones():

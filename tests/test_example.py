@@ -1,10 +1,13 @@
 """The speculative-decoding example at a tiny size: its tokens equal plain greedy decoding
-with the stock per-token recurrence, its --layer-list path gives the same tokens as the
-stacked one, its check notices a wrong token, and with --tp 2 (heads and projections
-split over two devices) its tokens are still plain greedy decoding's."""
+with the stock per-token recurrence (prompts longer than a prefill piece resuming from
+the cache), its prefill computes the admitted prompts' pieces only, its --layer-list path
+gives the same tokens as the stacked one, its check notices a wrong token, with --tp 2
+(heads and projections split over two devices) its tokens are still plain greedy
+decoding's, and a second run loads every program from the compile cache."""
 import importlib.util
 import os
 import pathlib
+import re
 import subprocess
 import sys
 
@@ -27,18 +30,19 @@ example = load_example()
 # Two layers, so that the stacked path's layer index and the scan carry are exercised.
 CONFIG = example.ModelConfig(vocab=64, dim=64, layers=2, heads=1, tokens=3)
 NEW_TOKENS = 9
-LENGTHS = (1, 7, 2, 5, 3)
+LENGTHS = (1, 37, 2, 17, 3)
+PIECE = 16  # prompts of 17 and 37 tokens take 2 and 3 prefill pieces
 
 
 def decode(layer_list):
-    """Five requests (prompt lengths 1..7) through a batch of two, so slots are reused
-    and the last step has a padding row; returns (model, prompts, run)."""
+    """Five requests (prompt lengths 1..37) through a batch of two, so slots are reused
+    and the last step has a padding row; returns (model, prompts, run, engine)."""
     model = example.init_model(7, CONFIG)
     prompts = [np.random.default_rng(7).integers(0, CONFIG.vocab, n).tolist()
                for n in LENGTHS]
     engine = example.Engine(model, CONFIG, batch=2, max_prompt=max(LENGTHS), backend="jax",
-                            layer_list=layer_list)
-    return model, prompts, example.speculative_decode(engine, prompts, NEW_TOKENS)
+                            layer_list=layer_list, piece=PIECE)
+    return model, prompts, example.speculative_decode(engine, prompts, NEW_TOKENS), engine
 
 
 @pytest.fixture(scope="module")
@@ -47,7 +51,7 @@ def decoded():
 
 
 def test_speculative_equals_stock_greedy(decoded):
-    model, prompts, run = decoded
+    model, prompts, run, _ = decoded
     verdict = example.check(model, CONFIG, prompts, run)
     assert [len(tokens) for tokens in run.tokens] == [NEW_TOKENS] * len(prompts)
     assert len(verdict.gap) == NEW_TOKENS * len(prompts)
@@ -58,9 +62,29 @@ def test_speculative_equals_stock_greedy(decoded):
     assert 1 < run.accepted / run.row_steps < CONFIG.tokens
 
 
+def test_prefill_computes_the_admitted_pieces(decoded):
+    """Each prompt went through in pieces of PIECE tokens (the long ones resuming), in
+    calls of at most the batch's two rows, each holding a piece at least: never a row
+    as wide as the longest prompt."""
+    _, _, _, engine = decoded
+    pieces = sum(-(-n // PIECE) for n in LENGTHS)
+    assert engine.resumes and engine.piece == PIECE
+    assert sum(LENGTHS) <= engine.prefill_positions <= 2 * PIECE * pieces
+    assert max(LENGTHS) // PIECE + 1 <= engine.prefill_calls <= pieces
+    assert set(engine.prefills) <= {1, 2} == set(engine.prefill_shapes)
+
+
+@pytest.mark.parametrize("prompts, batch, compiled, rows", [
+    (1, 1, (), 1), (3, 16, (), 4), (5, 16, (), 8), (9, 10, (), 10),
+    (5, 16, (16,), 16), (3, 16, (16,), 4), (1, 4, (4,), 4), (2, 16, (1, 4, 16), 4)])
+def test_prefill_rows(prompts, batch, compiled, rows):
+    """A power of two at most the batch, or a compiled row count up to 4x the prompts."""
+    assert example.prefill_rows(prompts, batch, compiled) == rows
+
+
 def test_layer_list_equals_stacked(decoded):
-    _, _, stacked = decoded
-    _, _, listed = decode(layer_list=True)
+    _, _, stacked, _ = decoded
+    _, _, listed, _ = decode(layer_list=True)
     assert listed.tokens == stacked.tokens
     assert (listed.steps, listed.accepted) == (stacked.steps, stacked.accepted)
     np.testing.assert_allclose(np.concatenate(listed.tops), np.concatenate(stacked.tops),
@@ -68,7 +92,7 @@ def test_layer_list_equals_stacked(decoded):
 
 
 def test_check_finds_a_wrong_token(decoded):
-    model, prompts, run = decoded
+    model, prompts, run, _ = decoded
     token = run.tokens[3][4]
     run.tokens[3][4] = (token + 1) % CONFIG.vocab
     try:
@@ -79,20 +103,39 @@ def test_check_finds_a_wrong_token(decoded):
     assert wrong[:1].tolist() == [[3, 4]]
 
 
-def test_tensor_parallel_equals_stock_greedy():
+def run_example(*flags, env=()):
+    """The example in a child process at a tiny size, on the CPU; its stdout."""
+    sizes = dict(vocab=64, dim=64, layers=2, heads=2, tokens=3, batch=2, requests=5,
+                 new_tokens=9, max_prompt=7, backend="jax")
+    run = subprocess.run(
+        [sys.executable, str(EXAMPLE)]
+        + [f"--{k.replace('_', '-')}={v}" for k, v in sizes.items()] + list(flags),
+        env=dict(os.environ, JAX_PLATFORMS="cpu", **dict(env)),
+        capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-4000:]
+    return run.stdout
+
+
+def test_tensor_parallel_equals_stock_greedy(tmp_path):
     """--tp 2 in a child process given four CPU devices (XLA fixes the count when JAX
     starts; the example wants more than the two it splits over): the cache split by
     heads, one all-reduce per KDA block and per MLP block, and every token plain greedy
-    decoding's (the example's own check; exit status 1 otherwise)."""
-    sizes = dict(vocab=64, dim=64, layers=2, heads=2, tokens=3, batch=2, requests=5,
-                 new_tokens=9, max_prompt=7, backend="jax", tp=2)
+    decoding's (the example's own check; exit status 1 otherwise). With
+    --no-compile-cache nothing is written to the default cache directory."""
     flags = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=4"
-    run = subprocess.run(
-        [sys.executable, str(EXAMPLE)]
-        + [f"--{k.replace('_', '-')}={v}" for k, v in sizes.items()],
-        env=dict(os.environ, XLA_FLAGS=flags.strip(), JAX_PLATFORMS="cpu"),
-        capture_output=True, text=True, timeout=600)
-    assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-4000:]
-    assert "tensor parallel: 1 of 2 heads on each of 2 devices" in run.stdout, run.stdout
-    assert "the decode step's all-reduces: 4 " in run.stdout, run.stdout
-    assert "check: OK" in run.stdout, run.stdout
+    out = run_example("--tp=2", "--no-compile-cache",
+                      env={"XLA_FLAGS": flags.strip(), "XDG_CACHE_HOME": str(tmp_path)})
+    assert "tensor parallel: 1 of 2 heads on each of 2 devices" in out, out
+    assert "the decode step's all-reduces: 4 " in out, out
+    assert "check: OK" in out, out
+    assert "compile cache off" in out and not any(tmp_path.iterdir()), out
+
+
+def test_a_second_run_starts_warm(tmp_path):
+    """--compile-cache DIR: the first run compiles its steps and stores them there, the
+    second loads every one of them."""
+    first = run_example("--no-check", f"--compile-cache={tmp_path}")
+    second = run_example("--no-check", f"--compile-cache={tmp_path}")
+    assert "; cold start: 0 of " in first and any((tmp_path / "xla").iterdir()), first
+    loaded = re.search(r"; warm start: (\d+) of (\d+) XLA programs", second)
+    assert loaded and loaded[1] == loaded[2] != "0", second

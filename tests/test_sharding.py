@@ -137,11 +137,11 @@ def shard(tree, i, specs):
     return jax.tree.map(take, tree, specs)
 
 
-def assert_same_as_each_shard(results, args, what):
+def assert_same_as_each_shard(results, args, what, config=CONFIG):
     """The sharded session's results, bit for bit the unsharded session's on each
     shard's heads with the per-shard config."""
     reference = jax.jit(session, static_argnames="config")
-    local = local_config(CONFIG, SHARDS)
+    local = local_config(config, SHARDS)
     for i in range(SHARDS):
         expected = reference(*shard(args, i, specs_of(args)), config=local)
         actual = shard(jax.tree.map(np.asarray, results), i, specs_of(results))
@@ -177,26 +177,30 @@ MODES = {"shardy": (AxisType.Auto, True), "explicit": (AxisType.Explicit, True),
 
 
 @on_devices
-@pytest.mark.parametrize("mode, layers", [("shardy", None), ("shardy", LAYERS),
-                                          ("explicit", LAYERS), ("gspmd", None)])
-def test_jit_of_sharded_arrays_equals_each_shard_unsharded(draw, mode, layers):
+@pytest.mark.parametrize("mode, layers, state_dtype", [
+    ("shardy", None, jnp.float32), ("shardy", LAYERS, jnp.float32),
+    ("explicit", LAYERS, jnp.float32), ("gspmd", None, jnp.float32),
+    ("shardy", LAYERS, jnp.bfloat16)], ids=lambda v: getattr(v, "__name__", None))
+def test_jit_of_sharded_arrays_equals_each_shard_unsharded(draw, mode, layers, state_dtype):
     """The session jitted on arrays whose heads are split over the mesh, the cache
     donated: the params whole on every device (sliced in place), the cache and inputs
     split. Each shard's heads as unsharded, the results split alike, and the compiled
     program has no collective, runs on each device's heads, aliases the donated cache
-    and copies no cache buffer more than the unsharded program of one shard does."""
+    and copies no cache buffer more than the unsharded program of one shard does; a
+    bf16 state (KdaConfig.state_dtype) alike."""
+    config = dataclasses.replace(CONFIG, state_dtype=state_dtype)
     axis_type, shardy = MODES[mode]
     if not shardy:
         if "jax_use_shardy_partitioner" not in jax.config.values:
             pytest.skip("this JAX partitions with Shardy only")
         jax.config.update("jax_use_shardy_partitioner", False)
     try:
-        args = arguments(draw, layers)
+        args = arguments(draw, layers, config)
         specs = (jax.tree.map(lambda _: P(), args[0]),) + specs_of(args[1:])
         split = mesh(axis_type)
         placed = jax.tree.map(lambda a, s: jax.device_put(a, NamedSharding(split, s)),
                               args, specs)
-        step = jax.jit(functools.partial(session, config=CONFIG), donate_argnums=1)
+        step = jax.jit(functools.partial(session, config=config), donate_argnums=1)
         text = step.lower(*placed).compile().as_text()
         outs, cache = step(*placed)
     finally:
@@ -206,10 +210,11 @@ def test_jit_of_sharded_arrays_equals_each_shard_unsharded(draw, mode, layers):
     results = (outs, cache)
     for result, spec in zip(jax.tree.leaves(results), jax.tree.leaves(specs_of(results))):
         assert result.sharding.is_equivalent_to(NamedSharding(split, spec), result.ndim)
-    assert_same_as_each_shard((outs, cache), args, mode)
+    assert cache.state.dtype == state_dtype
+    assert_same_as_each_shard((outs, cache), args, mode, config)
 
     local = shard(args, 0, specs_of(args))
-    unsharded = jax.jit(functools.partial(session, config=local_config(CONFIG, SHARDS)),
+    unsharded = jax.jit(functools.partial(session, config=local_config(config, SHARDS)),
                         donate_argnums=1).lower(*local).compile().as_text()
     present = [f.name for f in dataclasses.fields(KdaCache)
                if getattr(local[1], f.name) is not None]

@@ -66,6 +66,7 @@ def eager_verify(params: KdaParams, cache: KdaCache, inputs: VerifyInputs, out,
     for name, dtype in own.items():
         if dtype not in ("float32", "bfloat16"):
             raise ValueError(f"{name}: expected float32 or bfloat16, got {dtype}")
+    own["state"] = config.state_dtype.name  # the config's, which the state must have
     has_bias = named["conv_bias"] is not None
     for op, array in zip(kernel_abi.OPERANDS, arrays):
         if not kernel_abi.present(op, has_bias, stacked, config.trees):

@@ -100,28 +100,10 @@ class VerifyPlan:
     other: Launch | None
 
 
-def kernels_take_state(config: KdaConfig) -> bool:
-    """Whether the kernels take the config's checkpoint dtype: FP32 only so far (a bf16
-    state runs in XLA: "auto" plans it there, "cutedsl" raises). The one place to widen
-    once the kernels round where they write (docs/spec.md, "State dtype")."""
-    return config.state_dtype == jnp.float32
-
-
-def check_kernels_take_state(config: KdaConfig) -> None:
-    """Raises ValueError for an explicit kernel backend where `kernels_take_state` says
-    no."""
-    if not kernels_take_state(config):
-        raise ValueError(f"backend='cutedsl': the kernels take an FP32 state, got "
-                         f"state_dtype={config.state_dtype.name}; use backend='auto' or "
-                         f"backend='jax' (XLA rounds the state where it writes it)")
-
-
 def kernel_takes(config: KdaConfig) -> None:
     """Raises ValueError, naming the need, where the verify kernel cannot run `config`
     at all: it verifies chains of up to KERNEL_TOKENS tokens and trees of up to
-    KERNEL_TREE_TOKENS, but not SPILLING_TOKENS at gate_mode 1 (those run in XLA),
-    from an FP32 state (`kernels_take_state`)."""
-    check_kernels_take_state(config)
+    KERNEL_TREE_TOKENS, but not SPILLING_TOKENS at gate_mode 1 (those run in XLA)."""
     largest = KERNEL_TREE_TOKENS if config.trees else KERNEL_TOKENS
     if config.tokens > largest:
         raise ValueError(f"backend='cutedsl': the verify kernel takes T <= {largest} tokens "
@@ -220,12 +202,11 @@ def operands_kernel_fits(config: KdaConfig) -> bool:
 
 
 def prefill_plan(config: KdaConfig, backend: str) -> PrefillPlan:
-    """The plan of a prefill: the scan in its kernel where the chunks and the state's
-    dtype suit it ("cutedsl" raises where they do not), the convolution and the operands
-    in theirs where the config suits the operands kernel (`operands_kernel_fits`)."""
-    if backend == "cutedsl":
-        check_kernels_take_state(config)
-    fits = scan_kernel_fits(config) and kernels_take_state(config)
+    """The plan of a prefill: the scan in its kernel where the chunks suit it
+    ("cutedsl" raises where they do not), the convolution and the operands in theirs
+    where the config suits the operands kernel (`operands_kernel_fits`). The kernels see
+    FP32 states either way: a bf16 checkpoint is widened and rounded around them."""
+    fits = scan_kernel_fits(config)
     if backend == "cutedsl" and not fits:
         raise ValueError(f"backend='cutedsl': the prefill's chunks of "
                          f"{prompt_chunks.chunk_size(config.lower_bound)} tokens (lower_bound "

@@ -18,7 +18,7 @@ import dataclasses
 from jax_kda.config import CONV_TAPS, K
 
 READ, READ_WRITE, WRITE = "read", "read-write", "write"
-OWN_DTYPE = "float32 or bfloat16"  # conv_weight's and norm_weight's own, compiled in
+OWN_DTYPE = "float32 or bfloat16"  # conv_weight's, norm_weight's and state's own, compiled in
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,7 +62,7 @@ OPERANDS = (
     Operand("dt_bias", "params", ("H", K), "float32"),
     Operand("f_b", "params", ("H", K, K), "bfloat16"),
     Operand("norm_weight", "params", (K,), OWN_DTYPE),
-    Operand("state", "cache", ("S", "H", K, K), "float32", READ_WRITE),
+    Operand("state", "cache", ("S", "H", K, K), OWN_DTYPE, READ_WRITE),
     Operand("conv", "cache", ("S", 3, "H", K, "W"), "bfloat16", READ_WRITE),
     Operand("corrections", "cache", ("R", "H", "RQ", K), "float32", READ_WRITE),
     Operand("key_gates", "cache", ("R", "H", "RQ", 2, K), "bfloat16", READ_WRITE),
@@ -103,7 +103,7 @@ def aliases(has_bias: bool, stacked: bool, trees: bool) -> dict:
 
 
 def dtype(op: Operand, own: dict) -> str:
-    """op's dtype name; `own` maps conv_weight and norm_weight to theirs."""
+    """op's dtype name; `own` maps conv_weight, norm_weight and state to theirs."""
     return own[op.like or op.name] if op.dtype == OWN_DTYPE else op.dtype
 
 

@@ -315,14 +315,13 @@ def test_stacked_layers_are_the_per_layer_calls(draw):
         assert_same_cache(layer_of(flushed, i), alone, f"flush, layer {i}")
 
 
-def test_auto_plans_a_bf16_state_in_xla():
-    """backend "auto" runs a bf16 state's verify and prefill in XLA on every platform;
-    the FP32 one's on CUDA where the kernels are installed (the plan only: no GPU)."""
+def test_auto_plans_a_bf16_state_as_an_fp32_one():
+    """backend "auto" plans a bf16 state's verify and prefill as an FP32 one's: the
+    kernels on CUDA where they are installed, XLA elsewhere (the plan only: no GPU)."""
     bf16 = CONFIGS["chain"]
-    assert verify_plan(bf16, 4, "auto") == VerifyPlan(None, None)
-    plan = prefill_plan(bf16, "auto")
-    assert (plan.cuda, plan.other) == (ALL_XLA, ALL_XLA)
-    pytest.importorskip("cutlass", reason="the FP32 plan's kernels need nvidia-cutlass-dsl")
     fp32 = dataclasses.replace(bf16, state_dtype=jnp.float32)
-    assert verify_plan(fp32, 4, "auto").cuda is not None
-    assert prefill_plan(fp32, "auto").cuda != ALL_XLA
+    assert verify_plan(bf16, 4, "auto") == verify_plan(fp32, 4, "auto")
+    assert prefill_plan(bf16, "auto") == prefill_plan(fp32, "auto")
+    pytest.importorskip("cutlass", reason="the kernels' plans need nvidia-cutlass-dsl")
+    assert verify_plan(bf16, 4, "auto").cuda is not None
+    assert prefill_plan(bf16, "auto").cuda != ALL_XLA

@@ -212,22 +212,6 @@ def test_state_dtype_of_the_cache_and_the_config_must_agree(arguments):
                 call()
 
 
-def test_kernels_refuse_a_bf16_state(arguments):
-    """backend="cutedsl" with a bf16 state raises at trace time, for the verify and the
-    prefill ("auto" plans it in XLA: test_bf16_state.py)."""
-    params, cache, inputs = arguments
-    bf16 = dataclasses.replace(CONFIG, state_dtype=BF16)
-    cache = replaced(cache, state=cache.state.astype(BF16))
-    prompts = PrefillInputs(inputs.x, inputs.f_a, inputs.beta, inputs.gate,
-                            zeros((2,), I32), inputs.slots, inputs.record_rows)
-    message = ("backend='cutedsl': the kernels take an FP32 state, got state_dtype=bfloat16; "
-               "use backend='auto' or backend='jax' (XLA rounds the state where it writes it)")
-    for call in (lambda: fused_verify(params, cache, inputs, bf16, backend="cutedsl"),
-                 lambda: prefill(params, cache, prompts, bf16, backend="cutedsl")):
-        with pytest.raises(ValueError, match=f"^{re.escape(message)}"):
-            call()
-
-
 def test_config_takes_numpy_numbers_and_stores_python_ones():
     config = KdaConfig(heads=np.int64(2), tokens=np.int32(4), checkpoint_every=np.int8(3),
                        record_tokens=np.uint8(6), lower_bound=np.int64(-5),

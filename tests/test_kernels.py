@@ -53,14 +53,16 @@ def exported(function, *args):
         export.DisabledSafetyCheck.custom_call(TARGET)])(*args)
 
 
-@pytest.mark.parametrize("conv_bias, layers, trees",
-                         [(True, None, False), (False, None, False), (True, 3, False),
-                          (True, 3, True)], ids=["bias", "no-bias", "stacked", "stacked-trees"])
-def test_export_aliases_the_cache_in_place(conv_bias, layers, trees):
+@pytest.mark.parametrize("conv_bias, layers, trees, state_dtype",
+                         [(True, None, False, jnp.float32), (False, None, False, jnp.float32),
+                          (True, 3, False, jnp.float32), (True, 3, True, jnp.bfloat16)],
+                         ids=["bias", "no-bias", "stacked", "stacked-trees-bf16-state"])
+def test_export_aliases_the_cache_in_place(conv_bias, layers, trees, state_dtype):
     """The exported module holds one CuTe DSL custom call whose outputs 1.. alias the
-    cache operands (nodes too with trees), and the donated cache arguments alias the
-    jitted function's outputs (stacked: the whole stacked buffers, no slice)."""
-    config = KdaConfig(heads=2, tokens=4, split=2, trees=trees)
+    cache operands (nodes too with trees; a bf16 state as it is), and the donated cache
+    arguments alias the jitted function's outputs (stacked: the whole stacked buffers,
+    no slice, no conversion)."""
+    config = KdaConfig(heads=2, tokens=4, split=2, trees=trees, state_dtype=state_dtype)
     params, cache, inputs = example(config, conv_bias, layers=layers)
     extra = {} if layers is None else {"layer": 1}
     step = jax.jit(functools.partial(fused_verify, config=config, backend="cutedsl", **extra),
@@ -76,8 +78,10 @@ def test_export_aliases_the_cache_in_place(conv_bias, layers, trees):
     for name in fields:
         argument = re.search(rf"%arg\d+: tensor<([^>]*)>[^%]*?loc\(\"cache\.{name}\"\)", main)
         assert "tf.aliasing_output" in argument.group(0), f"cache.{name} is not aliased"
-        assert argument.group(1).startswith(
-            "x".join(map(str, getattr(cache, name).shape))), f"cache.{name} was sliced"
+        leaf = getattr(cache, name)
+        assert argument.group(1) == "x".join(map(str, leaf.shape)) + "x" + {
+            "float32": "f32", "bfloat16": "bf16", "int32": "i32"}[leaf.dtype.name], \
+            f"cache.{name} was sliced or converted"
     assert "dynamic_slice" not in text and "dynamic_update_slice" not in text
 
 

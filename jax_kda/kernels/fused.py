@@ -35,8 +35,9 @@ from jax_kda.kernels.primitives import (DTYPES, RN, aligned, allocate, bulk_copy
                                         divided_by_roots, exp, load_i32s, load_if,
                                         load_vec, load_words, mma_bf16, prefetch_line_l2,
                                         push_f32, round_bf16, row_major, sigmoids, silus_bf16,
-                                        stage_rows, store_f32x4_if, store_vec, strided_rows,
-                                        transpose_sum, tree_sum, warp_totals, wide)
+                                        stage_rows, store_bf16x4_if, store_f32x4_if,
+                                        store_vec, strided_rows, transpose_sum, tree_sum,
+                                        warp_totals, wide)
 
 THREADS = 256
 CROWDED_CTAS_PER_SM = 8  # above it (at T <= 4) the state is requested with the operands
@@ -129,6 +130,7 @@ class FusedVerify(Kernel):
         self.gate_mode, self.lower_bound = config.gate_mode, config.lower_bound
         self.lazy = config.checkpoint_every > 1  # a verify may keep its replayed tokens
         self.trees = config.trees
+        self.state_bytes = config.state_dtype.itemsize  # 4, or 2 for a bf16 checkpoint
         self.scale, self.eps = config.query_scale, config.eps
         self.layout = FusedLayout(config, split)
         self.rows = self.layout.rows  # RC: state rows per CTA
@@ -157,7 +159,8 @@ class FusedVerify(Kernel):
         conv_dtype, norm_weight of norm_dtype), then the timeline build's stamps
         [ctas, STAMPS] int64."""
         sizes = kernel_abi.sizes_of(self.config, B, S, R, L)
-        own = {"conv_weight": self.conv_dtype, "norm_weight": self.norm_dtype}
+        own = {"conv_weight": self.conv_dtype, "norm_weight": self.norm_dtype,
+               "state": self.layout.state_dtype}
 
         def operand(op):
             if not kernel_abi.present(op, self.has_bias, self.stacked, self.trees):
@@ -325,8 +328,8 @@ class FusedVerify(Kernel):
         rows' dots."""
         layout = self.layout
         smem = cutlass.memory.SmemAllocator()
-        staged = smem.allocate_tensor(Float32, row_major(*layout.staged_shape()),
-                                      byte_alignment=128)
+        dtype, shape = layout.staged()
+        staged = smem.allocate_tensor(DTYPES[dtype], row_major(*shape), byte_alignment=128)
         scratch = smem.allocate(layout.scratch_bytes(), byte_alignment=128)
         buffers = allocate(smem, layout.shared_buffers())
         barriers = {name: smem.allocate_array(Int64, 1, byte_alignment=8)
@@ -605,7 +608,7 @@ class FusedVerify(Kernel):
                        1, 2 * RQ * 2 * K, tid, THREADS)
         cute.arch.cp_async_commit_group()
         crowded = (ctas > CROWDED_CTAS_PER_SM * cute.arch.nsmid()) & (T <= 4)
-        self.arm(smem.state_arrived, RC * K * 4, tid)
+        self.arm(smem.state_arrived, RC * K * self.state_bytes, tid)
         if crowded:
             cute.arch.barrier()  # queued behind every thread's small copies, not among them
             if tid == 0:
@@ -617,7 +620,7 @@ class FusedVerify(Kernel):
         """This CTA's state rows (contiguous) into smem.staged by one bulk copy."""
         bulk_copy(smem.staged.iterator,
                   aligned(state, self.offset("state", slot, head, rank * self.rows), 16),
-                  self.rows * K * 4, smem.state_arrived)
+                  self.rows * K * self.state_bytes, smem.state_arrived)
 
     @cute.jit
     def gate_projection(self, activation_words, f_a, request, fb_words, dt_gate, a_exp,
@@ -1085,17 +1088,19 @@ class FusedVerify(Kernel):
 
     @cute.jit
     def load_rows(self, rows, staged, first_row, key):
-        """rows [RPT, 4] := the staged state rows first_row + r at keys key .. key + 3."""
+        """rows [RPT, 4] := the staged state rows first_row + r at keys key .. key + 3
+        (a bf16 checkpoint's widened exactly)."""
         for r in cutlass.range_constexpr(self.rows_per_thread):
             v = load_vec(staged.iterator, (first_row + r) * K + key, 4)
             for e in cutlass.range_constexpr(4):
-                rows[r, e] = v[e]
+                rows[r, e] = Float32(v[e])
 
     @cute.jit
     def fold(self, rows, state, smem, n, write, late_rows: cutlass.Constexpr, base,
              first_row, key):
         """rows [RPT, 4] := S_n at keys key .. key + 3 (the staged S_0 times D_n plus the
-        replayed records), stored to the checkpoint if `write`."""
+        replayed records), stored to the checkpoint if `write` (a bf16 checkpoint's
+        rounded to nearest even there, its one rounding)."""
         RPT: cutlass.Constexpr = self.rows_per_thread
         replayed = self.replayed(smem.kp, smem.old_u, smem.order, n, first_row, key)
         if cutlass.const_expr(late_rows):
@@ -1104,8 +1109,9 @@ class FusedVerify(Kernel):
         for r in cutlass.range_constexpr(RPT):
             for e in cutlass.range_constexpr(4):
                 rows[r, e] = cute.math.fma(rows[r, e], d4[e], replayed[r, e])
-            target = aligned(state, base + (first_row + r) * K + key, 16)
-            store_f32x4_if(target, [rows[r, e] for e in range(4)], write)
+            target = aligned(state, base + (first_row + r) * K + key, 4 * self.state_bytes)
+            store = store_bf16x4_if if self.state_bytes == 2 else store_f32x4_if
+            store(target, [rows[r, e] for e in range(4)], write)
 
     @cute.jit
     def replayed(self, kp, old_u, order, n, first_row, key):

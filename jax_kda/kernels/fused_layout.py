@@ -42,12 +42,14 @@ class FusedLayout:
         self.tokens, self.record_tokens = config.tokens, config.rq
         self.lazy = config.checkpoint_every > 1  # a verify may keep its replayed tokens
         self.trees = config.trees
+        self.state_dtype = config.state_dtype.name  # the checkpoint's storage
         self.rows = K // split
         self.sizes = kernel_abi.sizes_of(config, None, None, None)
 
-    def staged_shape(self):
-        """This CTA's state rows as they lie in global memory: [RC, K] f32."""
-        return (self.rows, K)
+    def staged(self):
+        """This CTA's state rows as they lie in global memory: (dtype, [RC, K]), the
+        state's dtype (f32 or bf16)."""
+        return self.state_dtype, (self.rows, K)
 
     def early_buffers(self):
         """Staged operands read before the state pass: the inputs x [T, 3, K] and the
@@ -93,7 +95,7 @@ class FusedLayout:
 
     def shared_bytes(self):
         """Dynamic shared memory per CTA (an upper bound: every alignment padded)."""
-        staged = footprint([("float32", self.staged_shape())])
+        staged = footprint([self.staged()])
         return (staged + 128 + self.scratch_bytes() + 128
                 + footprint(self.shared_buffers().values()) + 16 + 8 * len(BARRIERS))
 

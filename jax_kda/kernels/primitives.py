@@ -147,6 +147,21 @@ def store_f32x4_if(gmem_ptr, values, predicate):
                          read_only_args=[gmem_ptr, *values], predicate=Boolean(predicate))
 
 
+def bf16x2(low, high):
+    """Two FP32 values rounded to bf16 (nearest even) in one Uint32, `low` in its low half
+    (the lower address in memory)."""
+    return cute.arch.inline_ptx("cvt.rn.bf16x2.f32 {$w0}, {$r1}, {$r0};",
+                                write_only_types=[Uint32], read_only_args=[low, high])
+
+
+def store_bf16x4_if(gmem_ptr, values, predicate):
+    """The 4 FP32 `values` rounded to bf16 (nearest even), one st.global.v2.b32 under
+    `predicate` (no branch)."""
+    words = [bf16x2(values[0], values[1]), bf16x2(values[2], values[3])]
+    cute.arch.inline_ptx("st.global.v2.b32 [{$r0}], {{$r1}, {$r2}};",
+                         read_only_args=[gmem_ptr, *words], predicate=Boolean(predicate))
+
+
 def mma(shape_types, a, b, c):
     """D = A B + C by one warp-level `mma.sync.aligned.<shape_types>` of 4 A words, 2 B
     words and 4 FP32 accumulators (m16n8k16 bf16, m16n8k8 tf32) -> 4 Float32."""

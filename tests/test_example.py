@@ -83,9 +83,10 @@ def test_tensor_parallel_equals_stock_greedy():
     """--tp 2 in a child process given four CPU devices (XLA fixes the count when JAX
     starts; the example wants more than the two it splits over): the cache split by
     heads, one all-reduce per KDA block and per MLP block, and every token plain greedy
-    decoding's (the example's own check; exit status 1 otherwise)."""
+    decoding's (the example's own check; exit status 1 otherwise); the roofline at the
+    copy bandwidth given."""
     sizes = dict(vocab=64, dim=64, layers=2, heads=2, tokens=3, batch=2, requests=5,
-                 new_tokens=9, max_prompt=7, backend="jax", tp=2)
+                 new_tokens=9, max_prompt=7, backend="jax", tp=2, copy_bandwidth=100)
     flags = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=4"
     run = subprocess.run(
         [sys.executable, str(EXAMPLE)]
@@ -96,3 +97,4 @@ def test_tensor_parallel_equals_stock_greedy():
     assert "tensor parallel: 1 of 2 heads on each of 2 devices" in run.stdout, run.stdout
     assert "the decode step's all-reduces: 4 " in run.stdout, run.stdout
     assert "check: OK" in run.stdout, run.stdout
+    assert " ms at 100.0 GB/s (--copy-bandwidth); " in run.stdout, run.stdout

@@ -79,6 +79,7 @@ import peers
 import report
 from jax_kda import KdaConfig, accept, flush, fused_verify
 from jax_kda.ref import stock_verify
+from jax_kda.profiling import wall_times
 from jax_kda.testing import random_cache, random_inputs, random_params
 from jax_kda import cutedsl_supported
 
@@ -478,9 +479,9 @@ class Bench:
             jax.block_until_ready(out)
 
         run(1)  # warm-up
-        rough = measure.wall_times(lambda: run(3), 1) / 3
+        rough = wall_times(lambda: run(3), 1) / 3
         n = int(min(5000, max(10, 0.05 / max(rough, 1e-7))))
-        seconds = measure.wall_times(lambda: run(n), 3) / n
+        seconds = wall_times(lambda: run(n), 3) / n
         return [self.point(impl, T, B, "auto" if impl.startswith("ours") else None, seconds,
                            nbytes, method="jit fori_loop", sets=nsets, loop_calls=n,
                            compile_s=round(compile_s, 1))]

@@ -73,7 +73,7 @@ from jax.sharding import AxisType, NamedSharding
 import measure  # benchmarks/, on sys.path as the script's folder
 import peers
 from jax_kda import KdaConfig, accept, fused_verify, head_specs, local_config
-from jax_kda.profiling import traced_steps
+from jax_kda.profiling import traced_steps, wall_times
 from jax_kda.testing import random_accepted, random_cache, random_inputs, random_params
 from jax_kda import cutedsl_supported
 
@@ -243,10 +243,10 @@ def measure_form(step, params, cache, inputs, accepted, new_batch=None):
                 jax.block_until_ready(live[0])
         jax.block_until_ready(live[0])
 
-    rough = measure.wall_times(lambda: steps(3, True), 1) / 3
+    rough = wall_times(lambda: steps(3, True), 1) / 3
     n = int(min(2000, max(5, STEP_SECONDS / max(rough, 1e-7))))
-    row.update(steps=n, loop_us=1e6 * measure.wall_times(lambda: steps(n, False), 3) / n,
-               blocked_us=1e6 * measure.wall_times(lambda: steps(n, True), 3) / n)
+    row.update(steps=n, loop_us=1e6 * wall_times(lambda: steps(n, False), 3) / n,
+               blocked_us=1e6 * wall_times(lambda: steps(n, True), 3) / n)
     if jax.default_backend() == "gpu":  # elsewhere the trace holds no device activity
         row["gpu"] = gpu_steps(lambda: steps(TRACED_STEPS, False), TRACED_STEPS)
     B, T = inputs.x.shape[:2]

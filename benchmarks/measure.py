@@ -24,6 +24,7 @@ import statistics
 import time
 import weakref
 
+from jax_kda import profiling
 from jax_kda.config import CONV_TAPS, K
 
 F32, BF16, I32 = 4, 2, 4
@@ -243,19 +244,10 @@ def torch_child_graph_time(torch, fn, sets: int, calls: int, replays: int, reset
         return replay_time(torch, replay, replays, reset) / calls
 
 
-def wall_times(fn, reps: int):
-    """Seconds of `fn()` (which must block until its work is done), median of reps."""
-    times = []
-    for _ in range(reps):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return median(times)
-
-
 def copy_bandwidth(torch=None, nbytes: int = 1 << 30, reps: int = 20) -> dict:
     """Device-to-device copy of `nbytes` (bytes read + bytes written over the median
-    time): through torch where CUDA is there, else a jitted JAX copy (dry runs)."""
+    time): through torch where CUDA is there, else `jax_kda.profiling.copy_bandwidth`
+    (dry runs)."""
     if torch is not None and torch.cuda.is_available():
         src = torch.randn(nbytes // 4, device="cuda")
         dst = torch.empty_like(src)
@@ -263,14 +255,8 @@ def copy_bandwidth(torch=None, nbytes: int = 1 << 30, reps: int = 20) -> dict:
         how = "torch dst.copy_(src), CUDA events"
         del src, dst
     else:
-        import jax
-        import jax.numpy as jnp
-
-        src = jax.random.normal(jax.random.key(0), (nbytes // 4,), jnp.float32)
-        copy = jax.jit(lambda a: a + 1.0)
-        copy(src).block_until_ready()
-        seconds = wall_times(lambda: copy(src).block_until_ready(), reps)
-        how = "jax jit(a + 1.0), wall clock"
+        copy = profiling.copy_bandwidth(nbytes, reps)
+        seconds, how = copy["seconds"], copy["how"]
     return {"bytes": 2 * nbytes, "seconds": seconds, "tbps": 2 * nbytes / seconds / 1e12,
             "how": how}
 

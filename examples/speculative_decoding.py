@@ -1,10 +1,14 @@
 """Greedy speculative decoding of a small KDA language model with jax-kda, checked token
 for token against plain greedy decoding with the stock per-token recurrence.
 
-The target model: token embeddings, `layers` blocks of (RMSNorm; q/k/v, f_a, beta and
-output-gate projections; the KDA layer; output projection; residual; RMSNorm, SiLU MLP,
-residual), a final RMSNorm and an unembedding. Weights are random from `--seed` (no
-downloads), so the text is meaningless but every number is reproducible.
+The target model: token embeddings, `layers` blocks of (RMSNorm; the KDA layer's inputs
+in one matmul and the output gate's low-rank up-projection, `jax_kda.projections`; the
+KDA layer; output projection; residual; RMSNorm, SiLU MLP, residual), a final RMSNorm
+and an unembedding, laid out as a trained Kimi-Linear layer converts
+(`jax_kda.checkpoints`). Weights are bf16 (norms FP32), every matmul accumulates in
+FP32, the residual stream is FP32. Weights are random from `--seed` (no downloads), so
+the text is meaningless but every number is reproducible on one platform (the draws are
+XLA's RngBitGenerator, whose bits a platform may choose).
 
 The draft is the target's bigram: embedding -> final norm -> unembedding, no layers. It
 is stateless and cheap, and it agrees with the target only where the layers do not
@@ -45,20 +49,25 @@ a token is reported as a tie, any other difference as a failure (exit status 1).
 
 `--tp N` runs the model tensor-parallel over N devices, Megatron-style: each device
 holds H / N heads of every KDA layer (its slices of `KdaParams` and of the cache,
-`jax_kda.head_specs`) and the matching columns of the q/k/v, beta and output-gate
-projections and of the MLP's up projection (column-parallel), and rows of the output
-and down projections (row-parallel), whose partial sums are all-reduced: one all-reduce
-per KDA block and one per MLP block. The prefill and the decode step are one
-`jax.shard_map` each, the KDA layers called with the per-device config
-(`jax_kda.local_config`); the embeddings, norms, the gate's low-rank activations and the
-draft are whole on every device. On CPU, give XLA more than N devices (2N, say): jaxlib's
+`jax_kda.head_specs`) and the matching columns of the fused input projection (its
+heads' q, k, v and beta, beside the gates' low-rank columns, which every device holds),
+of the output gate's up-projection and of the MLP's up projection (column-parallel),
+and rows of the output and down projections (row-parallel), whose partial sums are
+all-reduced: one all-reduce per KDA block and one per MLP block. The prefill and the
+decode step are one `jax.shard_map` each, the KDA layers called with the per-device
+config (`jax_kda.local_config`); the embeddings, norms, the gates' low-rank activations
+and the draft are whole on every device. On CPU, give XLA more than N devices (2N, say): jaxlib's
 batched LAPACK kernels (the prefill's triangular solves) wait inside XLA:CPU's thread
 pool, of a thread per device on a machine of fewer cores, which N devices waiting at once
 stall; with N devices the example refuses to start.
 
 On a GPU the decode step is also timed on a full batch: its wall time per step in the
 Python loop against the device's busy time per step from JAX's profiler trace
-(`jax_kda.profiling`), the difference being the host's dispatch and waiting.
+(`jax_kda.profiling`), the difference being the host's dispatch and waiting. On every
+device the step's time is set against its roofline: the bytes of weights one device
+reads per step (and the KDA states of a full batch, read and written) over the copy
+bandwidth, measured in the same process by a device-to-device copy
+(`jax_kda.profiling.copy_bandwidth`) or given by `--copy-bandwidth`.
 
     python examples/speculative_decoding.py                       # small, CPU, < 1 minute
     python examples/speculative_decoding.py --heads 32 --dim 2304 --batch 32  # Kimi-Linear-like
@@ -83,7 +92,9 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 import jax_kda
 from jax_kda import K, KdaCache, KdaConfig, KdaParams, PrefillInputs, VerifyInputs
-from jax_kda.profiling import traced_steps
+from jax_kda.profiling import copy_bandwidth, traced_steps
+from jax_kda.projections import (KdaProjections, fuse_inputs, heads_of, input_parts,
+                                 layer_inputs, layer_output, project)
 from jax_kda.ref import stock_prefill
 from jax_kda.testing import random_params
 
@@ -104,6 +115,10 @@ PREFILL_PIECE = 512  # a prompt's tokens per prefill call; a longer one resumes 
 # a compiled prefill takes as few as 1/4 of its rows in prompts: a compile costs seconds,
 # padding rows of a small call milliseconds
 PREFILL_PADDING = 4
+# the copy bandwidth's copy: far past an accelerator's L2 (60 MB on an H200); smaller on a
+# CPU, where it would be most of the example's decode time
+COPY_BYTES, CPU_COPY_BYTES = 1 << 30, 1 << 26
+COPY_REPS = 3
 
 
 @dataclasses.dataclass(frozen=True)
@@ -135,19 +150,16 @@ class ModelConfig:
 
 
 class Block(NamedTuple):
-    """A block's weights: the KDA layer's projections (from the residual width D) and
-    its `KdaParams`, then the MLP (width 2D). Stacked, every leaf has a leading [L]."""
+    """A block's weights: the KDA layer's projections (from and to the residual width D)
+    and its `KdaParams`, then the MLP (width 2D). Stacked, every leaf has a leading
+    [L]."""
 
-    norm: jax.Array      # [D]
-    w_x: jax.Array       # [D, 3 * H * K]: q, k, v before the short convolution
-    w_fa: jax.Array      # [D, K]: the gate's low-rank activations
-    w_beta: jax.Array    # [D, H]
-    w_gate: jax.Array    # [D, H * K]: output-gate logits
+    norm: jax.Array      # [D] f32
+    projections: KdaProjections  # bf16, gate_bias f32
     kda: KdaParams
-    w_out: jax.Array     # [H * K, D]
-    mlp_norm: jax.Array  # [D]
-    w_up: jax.Array      # [D, 2D]
-    w_down: jax.Array    # [2D, D]
+    mlp_norm: jax.Array  # [D] f32
+    w_up: jax.Array      # [D, 2D] bf16
+    w_down: jax.Array    # [2D, D] bf16
 
 
 class Model(NamedTuple):
@@ -155,34 +167,35 @@ class Model(NamedTuple):
     blocks: one stacked `Block` (leaves [L, ...]), or a tuple of L per-layer ones
     (`unstacked`)."""
 
-    embed: jax.Array       # [V, D]
+    embed: jax.Array       # [V, D] bf16
     blocks: Block | tuple
-    final_norm: jax.Array  # [D]
-    unembed: jax.Array     # [V, D]
+    final_norm: jax.Array  # [D] f32
+    unembed: jax.Array     # [V, D] bf16
 
 
+@functools.partial(jax.jit, static_argnums=1)  # one program, not an op at a time
 def init_model(seed: int, config: ModelConfig) -> Model:
     """Deterministic random weights, blocks stacked: projections scaled by fan-in, KDA
     weights from `jax_kda.testing.random_params` (spread like a trained layer's)."""
     D, H, V = config.dim, config.heads, config.vocab
-    keys = iter(jax.random.split(jax.random.PRNGKey(seed), 2 + 8 * config.layers))
-    dense = lambda rows, cols, gain=1.0: gain * rows**-0.5 * jax.random.normal(
-        next(keys), (rows, cols), jnp.float32)
+    keys = iter(jax.random.split(jax.random.key(seed, impl="rbg"), 2 + 10 * config.layers))
+    dense = lambda rows, *cols, gain=1.0: (gain * rows**-0.5 * jax.random.normal(
+        next(keys), (rows, *cols), jnp.float32)).astype(jnp.bfloat16)
     blocks = [
         Block(
             norm=jnp.ones((D,), jnp.float32),
-            w_x=dense(D, 3 * H * K),
-            w_fa=dense(D, K),
-            w_beta=dense(D, H),
-            w_gate=dense(D, H * K),
+            projections=KdaProjections(
+                w_in=fuse_inputs(dense(D, 3, H, K), dense(D, H), dense(D, K), dense(D, K)),
+                w_gate=dense(K, H * K),
+                gate_bias=jax.random.normal(next(keys), (H, K), jnp.float32),
+                w_out=dense(H * K, D, gain=config.residual_gain)),
             kda=random_params(next(keys), config.kda),
-            w_out=dense(H * K, D, config.residual_gain),
             mlp_norm=jnp.ones((D,), jnp.float32),
             w_up=dense(D, 2 * D),
-            w_down=dense(2 * D, D, config.residual_gain),
+            w_down=dense(2 * D, D, gain=config.residual_gain),
         )
         for _ in range(config.layers)]
-    return Model(embed=jax.random.normal(next(keys), (V, D), jnp.float32),
+    return Model(embed=jax.random.normal(next(keys), (V, D)).astype(jnp.bfloat16),
                  blocks=jax.tree.map(lambda *leaves: jnp.stack(leaves), *blocks),
                  final_norm=jnp.ones((D,), jnp.float32), unembed=dense(D, V).T)
 
@@ -202,22 +215,31 @@ def shard_config(config: ModelConfig, tp: int) -> ModelConfig:
 def model_specs(model: Model) -> Model:
     """The `PartitionSpec`s of a stacked model split over TP_AXIS (`shard_model`):
     column-parallel projections split their columns, row-parallel ones their rows, the
-    KDA weights their heads; the rest is whole on every device."""
+    KDA weights and the output gate's bias their heads; the rest is whole on every
+    device."""
     column, row = P(None, None, TP_AXIS), P(None, TP_AXIS, None)
-    blocks = Block(norm=P(), w_x=column, w_fa=P(), w_beta=column, w_gate=column,
-                   kda=jax_kda.head_specs(model.blocks.kda, TP_AXIS), w_out=row,
-                   mlp_norm=P(), w_up=column, w_down=row)
+    projections = KdaProjections(w_in=column, w_gate=column, gate_bias=row, w_out=row)
+    blocks = Block(norm=P(), projections=projections,
+                   kda=jax_kda.head_specs(model.blocks.kda, TP_AXIS), mlp_norm=P(),
+                   w_up=column, w_down=row)
     return Model(embed=P(), blocks=blocks, final_norm=P(), unembed=P())
 
 
 def shard_model(model: Model, mesh) -> Model:
-    """The stacked model on `mesh`, split over TP_AXIS as `model_specs` says. w_x's
-    columns [3, H, K] are regrouped device first, so that each device's columns are the
-    q, k and v of its heads; the others are head-major already (w_gate [H, K], w_out's
-    rows [H, K]) or split evenly (the MLP)."""
-    L, D, _ = model.blocks.w_x.shape
-    w_x = model.blocks.w_x.reshape(L, D, 3, mesh.shape[TP_AXIS], -1).swapaxes(2, 3)
-    model = model._replace(blocks=model.blocks._replace(w_x=w_x.reshape(L, D, -1)))
+    """The stacked model on `mesh`, split over TP_AXIS as `model_specs` says. The fused
+    input projection's columns are regrouped device first: each device's are the
+    projection of its heads alone (their q, k, v and beta, then the gates' low-rank
+    columns, which every device holds); the others are head-major already (w_gate's
+    columns and w_out's rows [H, K]) or split evenly (the MLP)."""
+    projections = model.blocks.projections
+    x, beta, f_a, g_a = input_parts(projections.w_in, heads_of(projections))
+    tp = mesh.shape[TP_AXIS]
+    h = x.shape[-2] // tp
+    w_in = jnp.concatenate([fuse_inputs(x[..., d * h:(d + 1) * h, :],
+                                        beta[..., d * h:(d + 1) * h], f_a, g_a)
+                            for d in range(tp)], axis=-1)
+    model = model._replace(blocks=model.blocks._replace(
+        projections=dataclasses.replace(projections, w_in=w_in)))
     return place(model, model_specs(model), mesh)
 
 
@@ -238,25 +260,21 @@ def rms_norm(h, weight):
     return h * jax.lax.rsqrt(jnp.mean(h * h, axis=-1, keepdims=True) + 1e-6) * weight
 
 
-def matmul(a, w):
-    return jnp.matmul(a, w, precision=jax.lax.Precision.HIGHEST)
+def embedding(model: Model, tokens):
+    """[...] tokens -> [..., D] f32, the residual stream's start."""
+    return model.embed[tokens].astype(jnp.float32)
 
 
 def block_forward(block: Block, config: ModelConfig, h, kda_layer):
     """One block on h [B, N, D] f32: (h, cache). kda_layer(x, f_a, beta, gate) ->
     (out [B, N, H, K] bf16, cache) runs its KDA layer on the bf16 projections. With
     config.tp_axis the block holds a device's heads and MLP columns (`shard_model`)."""
-    B, N, _ = h.shape
-    H = config.heads
     total = (lambda y: y) if config.tp_axis is None else functools.partial(
         jax.lax.psum, axis_name=config.tp_axis)  # the row-parallel partial sums
-    a = rms_norm(h, block.norm)
-    bf16 = lambda y, *shape: y.reshape(B, N, *shape).astype(jnp.bfloat16)
-    out, cache = kda_layer(bf16(matmul(a, block.w_x), 3, H, K), bf16(matmul(a, block.w_fa), K),
-                           bf16(matmul(a, block.w_beta), H), bf16(matmul(a, block.w_gate), H, K))
-    h = h + total(matmul(out.reshape(B, N, H * K).astype(jnp.float32), block.w_out))
-    mlp = jax.nn.silu(matmul(rms_norm(h, block.mlp_norm), block.w_up))
-    h = h + total(matmul(mlp, block.w_down))
+    out, cache = kda_layer(*layer_inputs(block.projections, rms_norm(h, block.norm)))
+    h = h + total(layer_output(block.projections, out))
+    mlp = jax.nn.silu(project(rms_norm(h, block.mlp_norm), block.w_up))
+    h = h + total(project(mlp, block.w_down))
     return h, cache
 
 
@@ -270,7 +288,7 @@ def forward(model: Model, config: ModelConfig, cache, tokens, kda_layer, unroll=
     cache and the int32 layer index; with a tuple of blocks and a list of caches, one
     call per layer with layer None.
     """
-    h = model.embed[tokens]
+    h = embedding(model, tokens)
     if isinstance(cache, KdaCache):
         def step(carry, scanned):
             h, cache = carry
@@ -291,8 +309,8 @@ def forward(model: Model, config: ModelConfig, cache, tokens, kda_layer, unroll=
 
 
 def logits_of(model: Model, h):
-    """[..., D] hidden -> [..., V] logits."""
-    return matmul(rms_norm(h, model.final_norm), model.unembed.T)
+    """[..., D] hidden f32 -> [..., V] logits f32."""
+    return project(rms_norm(h, model.final_norm), model.unembed.T)
 
 
 def greedy(logits):
@@ -303,7 +321,7 @@ def greedy(logits):
 
 def draft_next(model: Model, tokens):
     """The bigram draft's next token after each of tokens [...]: no layers, no state."""
-    return greedy(logits_of(model, model.embed[tokens]))[0]
+    return greedy(logits_of(model, embedding(model, tokens)))[0]
 
 
 def draft_tree(tokens: int):
@@ -327,7 +345,7 @@ def draft(model: Model, last, config: ModelConfig):
         return jnp.stack(drafts, axis=1)
     parents, rank = draft_tree(config.tokens)
     for t in range(1, config.tokens):
-        _, choices = jax.lax.top_k(logits_of(model, model.embed[drafts[parents[t]]]), 2)
+        _, choices = jax.lax.top_k(logits_of(model, embedding(model, drafts[parents[t]])), 2)
         drafts.append(choices[..., rank[t]].astype(jnp.int32))
     return jnp.stack(drafts, axis=1)
 
@@ -641,6 +659,40 @@ def time_decode(engine: Engine, prompts, steps: int):
     return statistics.median(walls), traced
 
 
+def step_bytes(engine: Engine) -> tuple[int, int]:
+    """Bytes one device moves in a decode step of a full batch: (the weights it reads:
+    every block weight and the final norm once, the unembedding T times, for the draft's
+    T - 1 argmaxes and the target's logits, the embedding's gathered rows left out; the
+    KDA states of the batch's requests, each read and written once)."""
+    local = lambda a: a.addressable_shards[0].data.nbytes  # one device's part
+    model = engine.model
+    weights = (sum(map(local, jax.tree.leaves(model.blocks))) + local(model.final_norm)
+               + engine.config.tokens * local(model.unembed))
+    caches = engine.cache if isinstance(engine.cache, list) else [engine.cache]
+    per_request = sum(local(c.state) // c.state.shape[-4] for c in caches)  # S slots
+    return weights, 2 * engine.batch * per_request
+
+
+def roofline(engine: Engine, step_s: float, timed: str, gbps: float | None) -> str:
+    """The summary's line on the decode step (step_s seconds, measured as `timed` says)
+    against the time its bytes take at the copy bandwidth: gbps GB/s, or None to
+    measure it (`copy_bandwidth`)."""
+    weights, states = step_bytes(engine)
+    if gbps is None:
+        nbytes = CPU_COPY_BYTES if jax.default_backend() == "cpu" else COPY_BYTES
+        copy = copy_bandwidth(nbytes, COPY_REPS)
+        bandwidth = copy["bytes"] / copy["seconds"]
+        how = f"a {nbytes >> 20} MiB device copy, read + write, {copy['how']}"
+    else:
+        bandwidth, how = 1e9 * gbps, "--copy-bandwidth"
+    stream = weights / bandwidth
+    return (f"roofline: {weights / 1e6:.1f} MB of weights read per step and device, "
+            f"{1e3 * stream:.3f} ms at {bandwidth / 1e9:.1f} GB/s ({how}); with the KDA "
+            f"states of a full batch read and written ({states / 1e6:.1f} MB) "
+            f"{1e3 * (weights + states) / bandwidth:.3f} ms; the step ({timed}) "
+            f"{1e3 * step_s:.3f} ms, {step_s / stream:.1f}x the weights' time")
+
+
 class Verdict(NamedTuple):
     """Per new token of a run (requests in order): where [M, 2] (request, index), gap [M]
     (how far below the stock top-1 logit the chosen token's stock logit is: 0 where the
@@ -710,6 +762,9 @@ def parse_args(argv=None):
                         help="devices the heads and projections are split over "
                              "(Megatron-style tensor parallelism)")
     parser.add_argument("--seed", type=int, default=0, help="weights and prompts")
+    parser.add_argument("--copy-bandwidth", type=float, default=None, metavar="GB/S",
+                        help="the device's copy bandwidth (read + write) for the step's "
+                             "roofline; default: measured by a device-to-device copy")
     parser.add_argument("--no-check", action="store_true",
                         help="skip the check against stock greedy decoding")
     parser.add_argument("--compile-cache", default=None, metavar="DIR",
@@ -723,6 +778,8 @@ def parse_args(argv=None):
         value = getattr(args, name)
         if value < 1:
             parser.error(f"--{name.replace('_', '-')}: expected >= 1, got {value}")
+    if args.copy_bandwidth is not None and not args.copy_bandwidth > 0:
+        parser.error(f"--copy-bandwidth: expected > 0, got {args.copy_bandwidth}")
     if args.vocab < 2:
         parser.error(f"--vocab: expected >= 2, got {args.vocab}")
     if not 2 <= args.tokens <= 16:
@@ -834,6 +891,7 @@ def decode_and_check(args, config: ModelConfig, model: Model, prompts, cache_eve
           f"per request per step {run.accepted / max(run.row_steps, 1):.2f} "
           f"(of T={config.tokens})")
     print(f"throughput: {made} new tokens in {total:.2f} s, {made / total:.0f} tokens/s")
+    step_s, timed = run.decode_s / run.steps, "the run's mean"
     if jax.default_backend() == "gpu":
         wall, traced = time_decode(engine, prompts, TIMED_STEPS)
         if traced["steps"]:
@@ -842,11 +900,13 @@ def decode_and_check(args, config: ModelConfig, model: Model, prompts, cache_eve
                   f"ms (profiler trace, first activity's start to last one's end, median; "
                   f"busy {1e-3 * traced['busy_us']:.3f} ms in {traced['kernels']:.0f} kernels and "
                   f"device copies)")
+            step_s, timed = 1e-6 * traced["step_us"], "GPU time, full batch"
         else:
             print("decode step GPU time: the profiler trace held no GPU activity")
     else:
         print(f"decode step GPU time: not available on {jax.default_backend()} (it comes "
               f"from JAX's profiler trace of a GPU)")
+    print(roofline(engine, step_s, timed, args.copy_bandwidth), flush=True)
     if args.no_check:
         return 0, run.accepted / max(run.row_steps, 1)
     tick = time.perf_counter()

@@ -1,14 +1,17 @@
 """Device-side time of the steps a program enqueues, from JAX's profiler trace of the GPU:
-what the device was busy with per step, with no host dispatch or waiting in it."""
+what the device was busy with per step, with no host dispatch or waiting in it; and the
+device's copy bandwidth, the ceiling a memory-bound step is set against."""
 from __future__ import annotations
 
 import collections
 import glob
 import statistics
 import tempfile
+import time
 from typing import Callable, NamedTuple
 
 import jax
+import jax.numpy as jnp
 
 HOST_COPIES = ("MemcpyH2D", "MemcpyD2H")  # the trace's names of host <-> device copies
 
@@ -68,6 +71,43 @@ def traced_steps(run: Callable[[], object], steps: int | None = None, *,
         "kernels": _median([len(g) for g in groups]),
         "names": dict(collections.Counter(k.name for k in kernels).most_common(4)),
     }
+
+
+def copy_bandwidth(nbytes: int, reps: int) -> dict:
+    """A device-to-device copy on JAX's default device: a jitted `a + 1.0` over `nbytes`
+    of FP32 (each byte read once and written once), `reps` times after a warm-up.
+
+    Returns {"bytes": 2 * nbytes (read + written), "seconds": one copy's, the median
+    of reps (GPU time from the profiler trace on a GPU, else wall clock), "how"}.
+    """
+    src = jnp.zeros(nbytes // 4, jnp.float32)
+    copy = jax.jit(lambda a: a + 1.0)
+    copy(src).block_until_ready()
+
+    def run():
+        for _ in range(reps):
+            out = copy(src)
+        out.block_until_ready()
+
+    traced = {"steps": 0}
+    if jax.default_backend() == "gpu":
+        traced = traced_steps(run, split=lambda kernels: [[k] for k in kernels])
+    if traced["steps"]:
+        seconds, how = 1e-6 * traced["kernel_us"], "jax jit(a + 1.0), profiler trace"
+    else:
+        seconds = wall_times(lambda: copy(src).block_until_ready(), reps)
+        how = "jax jit(a + 1.0), wall clock"
+    return {"bytes": 2 * nbytes, "seconds": seconds, "how": how}
+
+
+def wall_times(fn, reps: int) -> float:
+    """Seconds of `fn()` (which must block until its work is done), median of reps."""
+    times = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
 
 
 def traced_kernels(run) -> list[Kernel]:

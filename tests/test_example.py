@@ -120,15 +120,17 @@ def test_tensor_parallel_equals_stock_greedy(tmp_path):
     """--tp 2 in a child process given four CPU devices (XLA fixes the count when JAX
     starts; the example wants more than the two it splits over): the cache split by
     heads, one all-reduce per KDA block and per MLP block, and every token plain greedy
-    decoding's (the example's own check; exit status 1 otherwise). With
-    --no-compile-cache nothing is written to the default cache directory."""
+    decoding's (the example's own check; exit status 1 otherwise); the roofline at the
+    copy bandwidth given. With --no-compile-cache nothing is written to the default cache
+    directory."""
     flags = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=4"
-    out = run_example("--tp=2", "--no-compile-cache",
+    out = run_example("--tp=2", "--copy-bandwidth=100", "--no-compile-cache",
                       env={"XLA_FLAGS": flags.strip(), "XDG_CACHE_HOME": str(tmp_path)})
     assert "tensor parallel: 1 of 2 heads on each of 2 devices" in out, out
     assert "the decode step's all-reduces: 4 " in out, out
     assert "check: OK" in out, out
     assert "compile cache off" in out and not any(tmp_path.iterdir()), out
+    assert " ms at 100.0 GB/s (--copy-bandwidth); " in out, out
 
 
 def test_a_second_run_starts_warm(tmp_path):

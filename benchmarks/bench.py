@@ -368,25 +368,28 @@ class Bench:
                 note = f"graph capture failed: {type(error).__name__}: {str(error)[:120]}"
         return events, graph, note
 
-    def ours_eager(self, T, B, split):
+    def ours_eager(self, T, B, split, state_dtype="float32"):
         H = self.args.heads
-        config = KdaConfig(heads=H, tokens=T, split=split)
-        probe = measure.verify_bytes(H, T, B, B * T, B)["total"]
+        config = KdaConfig(heads=H, tokens=T, split=split, state_dtype=state_dtype)
+        state_bytes = config.state_dtype.itemsize
+        probe = measure.verify_bytes(H, T, B, B * T, B, state_bytes)["total"]
         # each set is launched once per graph replay: its pending counts are restored
         # between replays
         nsets = measure.rotation_sets(probe, measure.MIN_LAUNCHES)
         params, cache, sets = make_problem(config, B, nsets, seed=B * 10 + T)
         n_total, writes = accepted_tokens(cache, sets[0])
-        nbytes = measure.verify_bytes(H, T, B, n_total, writes)["total"]
+        nbytes = measure.verify_bytes(H, T, B, n_total, writes, state_bytes)["total"]
         kernel = peers.KernelEager.rotating(self.torch, params, cache, sets, config)
         events, graph, note = self.torch_timings(kernel, nsets, B, reset=kernel.rearm)
         del kernel
         label = split if split else auto_split_label(config, B)
-        rows = [self.point("ours-eager", T, B, label, events, nbytes, method="events",
-                           sets=nsets, note=note)]
+        # a bf16 state's rows an implementation of their own in the report's tables
+        impl = "ours-eager" if state_bytes == measure.F32 else f"ours-eager-{state_dtype}-state"
+        rows = [self.point(impl, T, B, label, events, nbytes, method="events", sets=nsets,
+                           state=state_dtype, note=note)]
         if graph:
-            rows.append(self.point("ours-eager", T, B, label, graph, nbytes, method="graph",
-                                   sets=nsets))
+            rows.append(self.point(impl, T, B, label, graph, nbytes, method="graph",
+                                   sets=nsets, state=state_dtype))
         return rows
 
     def fla_points(self, T, B):
@@ -490,7 +493,8 @@ class Bench:
         """The implementations `impls` at T over `batches` (our kernel at split auto)."""
         jobs = {
             "eager": (self.eager_why is None, "ours-eager",
-                      lambda B: self.ours_eager(T, B, None)),
+                      lambda B: [row for dtype in self.args.state_dtypes
+                                 for row in self.ours_eager(T, B, None, dtype)]),
             "fla": (self.fla_why is None, "fla", lambda B: self.fla_points(T, B)),
             "jit": (self.kernel_jit is not None, "ours-jit", lambda B: self.jax_loop(
                 "ours-jit", functools.partial(fused_verify, backend=self.kernel_jit), T, B)),
@@ -675,6 +679,9 @@ def parse(argv):
     parser.add_argument("--tokens", type=ints, default=None, help="T values (default 2,4,8)")
     parser.add_argument("--batches", type=ints, default=None,
                         help="B values (default 1,4,16,64,256; --quick 1,2)")
+    parser.add_argument("--state-dtypes", type=lambda text: text.split(","),
+                        default=["float32"], help="the eager kernel's state dtypes "
+                                                  "(default float32; float32,bfloat16)")
     parser.add_argument("--splits", type=ints, default=[1, 2, 4, 8],
                         help="fixed splits timed besides auto (default 1,2,4,8)")
     parser.add_argument("--stock-tokens", type=ints, default=[4],

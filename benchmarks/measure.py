@@ -61,14 +61,15 @@ def param_bytes(H: int) -> int:
     return (3 * CONV_TAPS * H * K + 3 * H * K + H + H * K) * F32 + H * K * K * BF16 + K * F32
 
 
-def verify_bytes(H: int, T: int, B: int, n_total: int, state_writes: int) -> dict:
+def verify_bytes(H: int, T: int, B: int, n_total: int, state_writes: int,
+                 state_bytes: int = F32) -> dict:
     """Bytes one fused verify must move: the state read once and written once per request
-    with n > 0 (`state_writes` of them), the n accepted records read (`n_total` tokens
-    over the batch, n per request), T records written, the conv history (3 positions)
-    read and the window's T + 3 positions written, the token inputs, slots and record
-    rows read, the per-head pending read and written, the output written and the
-    weights read once."""
-    state = H * K * K * F32
+    with n > 0 (`state_writes` of them; `state_bytes` an entry: 2 for a bf16 state), the
+    n accepted records read (`n_total` tokens over the batch, n per request), T records
+    written, the conv history (3 positions) read and the window's T + 3 positions
+    written, the token inputs, slots and record rows read, the per-head pending read and
+    written, the output written and the weights read once."""
+    state = H * K * K * state_bytes
     record = H * (K * F32 + 2 * K * BF16)  # one token's correction row and key + gate
     parts = {
         "state_read": B * state,

@@ -18,6 +18,7 @@ import measure  # benchmarks/, on sys.path as the script's folder
 METHOD_ORDER = ("graph", "events", "jit fori_loop")
 COLUMNS = (  # (impl, label) of the per-T tables
     ("ours-eager", "ours (kernel, eager)"),
+    ("ours-eager-bfloat16-state", "ours (kernel, eager, bf16 state)"),
     ("ours-jit", "ours (jitted fused_verify)"),
     ("xla", "XLA backend (backend=jax)"),
     ("stock-xla", "stock_verify (XLA)"),

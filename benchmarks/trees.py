@@ -1,7 +1,7 @@
 """The token-tree section of the benchmark: one verify of a KDA layer (H = 32) on a tree of
 T nodes against a chain of T tokens, at T = 8 and 16 and B = 1, 16, 64, jitted with the
-cache donated, `backend="auto"` (the kernel where it takes the step: chains of T <= 16,
-trees of T <= 12; larger trees run in XLA) and both in XLA too (`backend="jax"`), so that a tree's
+cache donated, `backend="auto"` (the kernel where it takes the step: T <= 16, chain or
+tree) and both in XLA too (`backend="jax"`), so that a tree's
 cost over a chain shows on each path.
 
 Correctness first: at each T, the tree's outputs of both backends against the stock

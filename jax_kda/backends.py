@@ -30,9 +30,7 @@ from jax_kda.steps import prompt_step
 
 BACKENDS = ("auto", "jax", "cutedsl")
 KERNEL, XLA = "kernel", "xla"
-KERNEL_TOKENS = 16  # the verify kernel's largest T of a chain
-KERNEL_TREE_TOKENS = 12  # and of a tree: past it the tree build's pair products spill
-SPILLING_TOKENS = 9  # at gate_mode 1 the build of T = 9 spills (its one-token second tile)
+KERNEL_TOKENS = 16  # the verify kernel's largest T, chain or tree
 OPERANDS_KERNEL_SCALE = 2.0**60  # the largest query scale the operands kernel takes
 
 
@@ -102,17 +100,26 @@ class VerifyPlan:
 
 def kernel_takes(config: KdaConfig) -> None:
     """Raises ValueError, naming the need, where the verify kernel cannot run `config`
-    at all: it verifies chains of up to KERNEL_TOKENS tokens and trees of up to
-    KERNEL_TREE_TOKENS, but not SPILLING_TOKENS at gate_mode 1 (those run in XLA)."""
-    largest = KERNEL_TREE_TOKENS if config.trees else KERNEL_TOKENS
-    if config.tokens > largest:
-        raise ValueError(f"backend='cutedsl': the verify kernel takes T <= {largest} tokens "
-                         f"(trees={config.trees}), got tokens={config.tokens}; use "
-                         f"backend='auto' or backend='jax'")
-    if config.tokens == SPILLING_TOKENS and config.gate_mode == 1:
-        raise ValueError(f"backend='cutedsl': the verify kernel takes no tokens="
-                         f"{SPILLING_TOKENS} at gate_mode=1; use backend='auto' or "
+    at all: it verifies chains and trees of up to KERNEL_TOKENS tokens but for the builds
+    that spill (`spilling_build`; those run in XLA)."""
+    if config.tokens > KERNEL_TOKENS:
+        raise ValueError(f"backend='cutedsl': the verify kernel takes T <= {KERNEL_TOKENS} "
+                         f"tokens, got tokens={config.tokens}; use backend='auto' or "
                          f"backend='jax'")
+    spills = spilling_build(config)
+    if spills:
+        raise ValueError(f"backend='cutedsl': the verify kernel takes no {spills}; use "
+                         f"backend='auto' or backend='jax'")
+
+
+def spilling_build(config: KdaConfig) -> str | None:
+    """The verify kernel's builds that spill registers (the compile table's, `python -m
+    jax_kda.kernels`), named; None for every other."""
+    if config.tokens == 9 and config.gate_mode == 1:
+        return "tokens=9 at gate_mode=1 (its gate projection's one-token second tile)"
+    if config.trees and config.tokens == 13:
+        return "tree of tokens=13 (its pair products, batched or node by node)"
+    return None
 
 
 def verify_plan(config: KdaConfig, batch: int, backend: str) -> VerifyPlan:

@@ -244,7 +244,7 @@ def test_parity_lazy_checkpoint(tokens, every, split):
     run_episode(config, seed=500 + 10 * tokens + every, steps=2 * every + 2)
 
 
-TREES = [(T, split) for T in (2, 5, 8, 12) for split in (1, 2, 4, 8)]
+TREES = [(T, split) for T in (2, 5, 8, 12, 16) for split in (1, 2, 4, 8)]
 
 
 @pytest.mark.parametrize("tokens,split", TREES, ids=[f"T{T}-split{s}" for T, s in TREES])

@@ -329,7 +329,8 @@ def test_eager_rejects_a_wrong_shape_before_any_launch():
 
 PLANS = [  # (config, whether the kernel takes it)
     (KdaConfig(heads=32, tokens=16), True),
-    (KdaConfig(heads=32, tokens=12, trees=True), True),
+    (KdaConfig(heads=32, tokens=16, trees=True), True),
+    (KdaConfig(heads=32, tokens=13), True),
     (KdaConfig(heads=32, tokens=13, trees=True), False),
     (KdaConfig(heads=32, tokens=9), True),
     (KdaConfig(heads=32, tokens=9, gate_mode=1), False),
@@ -337,11 +338,12 @@ PLANS = [  # (config, whether the kernel takes it)
 
 
 @pytest.mark.parametrize("config, kernel", PLANS,
-                         ids=["chain-16", "tree-12", "tree-13", "chain-9", "chain-9-gate1"])
+                         ids=["chain-16", "tree-16", "chain-13", "tree-13", "chain-9",
+                              "chain-9-gate1"])
 def test_the_verify_plan_takes_the_builds_that_compile(config, kernel):
     """"auto" plans the kernel for CUDA where its build compiles without spills (chains
-    to T = 16, trees to 12, not T = 9 at gate_mode 1: the compile table) and XLA
-    elsewhere; "cutedsl" raises there, naming the need."""
+    and trees to T = 16 but a tree of 13 and T = 9 at gate_mode 1: the compile table)
+    and XLA elsewhere; "cutedsl" raises there, naming the need."""
     plan = backends.verify_plan(config, 64, "auto")
     assert (plan.cuda is not None) == kernel and plan.other is None
     if not kernel:

@@ -8,7 +8,7 @@ tokens), the chunks' operands at the default config and the prompt's convolution
 Every T of 2..8, 12 and 16, gate mode and split, then the operand variants (no bias;
 bf16 conv and norm weights), the stacked-layer build, the lazy checkpoint
 (checkpoint_every 4), the token-tree build and a bf16 state on one shape per split, checkpoint_every 2
-and 8 at split 1, the tree build at T = 2, 8 and 12 on every split; `--subset`: every
+and 8 at split 1, the tree build at T = 2, 8, 12 and 16 on every split; `--subset`: every
 split at tokens 2, 4 and 8.
 Configurations compile in N processes (default: one per CPU). The exit status is 1 if a
 configuration fails to compile or spills.
@@ -68,7 +68,7 @@ def configurations(subset, only=()):
             yield dict(base, tokens=4, gate_mode=0, split=split, **variant)
         for every in (2, 8):  # the shortest and the longest records of split 1
             yield dict(base, tokens=4, gate_mode=0, split=1, checkpoint_every=every)
-        for T, split in itertools.product((2, 8, 12), (1, 2, 4, 8)):
+        for T, split in itertools.product((2, 8, 12, 16), (1, 2, 4, 8)):
             yield dict(base, tokens=T, gate_mode=1, split=split, trees=True)
 
 

@@ -43,6 +43,7 @@ THREADS = 256
 CROWDED_CTAS_PER_SM = 8  # above it (at T <= 4) the state is requested with the operands
 STAMPS = 16  # int64 per CTA in the timeline build: SM id, two global times, Phase clocks
 RECORDS_READ = 1  # the named barrier of section 1 in `load_records` (0: the CTA's)
+BATCHED_TREE_TOKENS = 12  # past it a tree's pair products go node by node (batches spill)
 
 
 class Phase(enum.IntEnum):
@@ -977,21 +978,45 @@ class FusedVerify(Kernel):
             xvec[t, channel] = gamma * ks[t]
             xvec[T + t, channel] = gamma * qs[t]
         d = [decays[t, channel] for t in range(T)]
-        pairs_in_order = [("A", t, s) for t in range(T) for s in range(t)] + [
-            ("B", t, s) for t in range(T) for s in range(t + 1)]
-        for first in cutlass.range_constexpr(0, NP, 32):  # 32 pairs per warp_totals
-            terms = []
-            for kind, t, s in pairs_in_order[first:first + 32]:
-                weighted = ks[s]  # k_s P(s, t), the products in token order
-                for r in cutlass.range_constexpr(s + 1, t + 1):
-                    weighted = weighted * self.path_factor(ancestors, t, r, d[r])
-                term = weighted * (ks[t] if kind == "A" else qs[t])
-                if cutlass.const_expr(self.trees and s < t):
-                    term = cutlass.select_(self.on_path(ancestors, t, s), term, Float32(0.0))
-                terms.append(term)
+        if cutlass.const_expr(self.trees and T > BATCHED_TREE_TOKENS):
+            self.pairs_node_by_node(ks, qs, d, ancestors, pairs, lane, warp)
+        else:
+            pairs_in_order = [("A", t, s) for t in range(T) for s in range(t)] + [
+                ("B", t, s) for t in range(T) for s in range(t + 1)]
+            for first in cutlass.range_constexpr(0, NP, 32):  # 32 pairs per warp_totals
+                terms = [self.pair_term(ks, qs, d, ancestors, kind, t, s)
+                         for kind, t, s in pairs_in_order[first:first + 32]]
+                total, index, holds = warp_totals(terms, lane)
+                if holds:
+                    pairs[first + index, warp] = total
+
+    def pair_term(self, ks, qs, d, ancestors, kind, t: int, s: int):
+        """This channel's term of A_ts (kind "A") or B_ts: k_s P(s, t) times k_t or q_t,
+        the products in token order; a tree build's over t's path (a decay off it a
+        selected 1, a pair off it a selected 0)."""
+        weighted = ks[s]
+        for r in range(s + 1, t + 1):
+            weighted = weighted * self.path_factor(ancestors, t, r, d[r])
+        term = weighted * (ks[t] if kind == "A" else qs[t])
+        if ancestors is not None and s < t:
+            term = cutlass.select_(self.on_path(ancestors, t, s), term, Float32(0.0))
+        return term
+
+    @cute.jit
+    def pairs_node_by_node(self, ks, qs, d, ancestors, pairs, lane, warp):
+        """A large tree's pair products: per node t its 2t + 1 terms (A_ts, s < t, then
+        B_ts, s <= t) in one warp reduction, so that t's path's factors die with them
+        (`token_vectors`' batches across nodes spill there)."""
+        T: cutlass.Constexpr = self.tokens
+        for t in cutlass.range_constexpr(T):
+            terms = [self.pair_term(ks, qs, d, ancestors, kind, t, s)
+                     for kind, s in [("A", s) for s in range(t)] + [("B", s)
+                                                                    for s in range(t + 1)]]
             total, index, holds = warp_totals(terms, lane)
+            slot = cutlass.select_(index < t, pair_index(T, t, 0, "A") + index,
+                                   pair_index(T, t, 0, "B") + index - t)
             if holds:
-                pairs[first + index, warp] = total
+                pairs[slot, warp] = total
 
     @cute.jit
     def replay_vectors(self, kp, old_decays, old_sums, decay_n, n, tid):

@@ -53,3 +53,12 @@ def draw():
     """random_params / random_cache / random_inputs of jax_kda.testing, jitted, and
     key(seed), the PRNG key to draw them from."""
     return DRAW
+
+
+@pytest.fixture(autouse=True, scope="module")
+def programs_freed_after_each_module():
+    """Each test module's compiled programs freed once it ends: XLA:CPU maps each loaded
+    executable's code into memory, and the whole suite's programs in one process pass the
+    kernel's limit on mappings (vm.max_map_count; a segfault in a later compile)."""
+    yield
+    jax.clear_caches()

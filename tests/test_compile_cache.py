@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 
 import pytest
 
@@ -61,9 +62,12 @@ print(json.dumps(dict(kernels=len(compiles), modules=modules,
 
 
 def run(directory, *lower_bounds):
+    # run outside the source tree: `python -c` imports from its working directory first,
+    # and the source tree's jax_kda has no ffi (the install maps ffi/ to jax_kda.ffi)
     result = subprocess.run([sys.executable, "-c", PROCESS, str(directory), *lower_bounds],
                             capture_output=True, text=True, timeout=600,
-                            env=dict(os.environ, JAX_PLATFORMS="cpu"))
+                            env=dict(os.environ, JAX_PLATFORMS="cpu"),
+                            cwd=tempfile.gettempdir())
     assert result.returncode == 0, result.stderr[-4000:]
     return json.loads(result.stdout.splitlines()[-1])
 

@@ -117,8 +117,13 @@ def check_kernels_take_state(config: KdaConfig) -> None:
 def kernel_takes(config: KdaConfig) -> None:
     """Raises ValueError, naming the need, where the verify kernel cannot run `config`
     at all: it verifies chains of up to KERNEL_TOKENS tokens (trees and longer steps
-    run in XLA) from an FP32 state (`kernels_take_state`)."""
+    run in XLA) from an FP32 state (`kernels_take_state`) with the sigmoid gate of a
+    lower_bound (the softplus gate runs in XLA)."""
     check_kernels_take_state(config)
+    if config.lower_bound is None:
+        raise ValueError("backend='cutedsl': the verify kernel computes the sigmoid gate of "
+                         "a lower_bound, got lower_bound=None (the softplus gate); use "
+                         "backend='auto' or backend='jax'")
     if config.trees or config.tokens > KERNEL_TOKENS:
         raise ValueError(f"backend='cutedsl': the verify kernel takes chains of T <= "
                          f"{KERNEL_TOKENS} tokens, got tokens={config.tokens}, "
@@ -199,7 +204,7 @@ class PrefillPlan:
 
 def scan_kernel_fits(config: KdaConfig) -> bool:
     """Whether the prefill's chunks suit the scan kernel (a multiple of 16 tokens:
-    lower_bound >= about -41.6)."""
+    lower_bound >= about -41.6, not the softplus gate's)."""
     return prompt_chunks.chunk_size(config.lower_bound) % 16 == 0
 
 

@@ -5,8 +5,9 @@ B x L tokens, ours against flash-linear-attention's `chunk_kda` in the same proc
   recurrence in chunks, the gated norm), jitted with the cache donated; `compile_s` the
   first lower + compile at that shape;
 - fla: `chunk_kda` on the same prompts' q, k, v after the convolution, with the gate,
-  beta's sigmoid and the q / k norms in its kernel (`use_gate_in_kernel`, safe gate at
-  the same lower bound), the final state out.
+  beta's sigmoid and the q / k norms in its kernel (`use_gate_in_kernel`; the sigmoid
+  gate as a safe gate at the same lower bound, or the softplus gate), the final state
+  out.
 
 Both timed two ways, medians: `us`, the GPU's time of a call (ours: the span of its
 activities in JAX's profiler trace; fla: CUDA events around it), and `wall_us`, the
@@ -18,6 +19,7 @@ with `--profile` also `kernels`, the GPU time of one call by kernel name (the co
 first). Run by bench.py; alone:
 
     python benchmarks/prefill.py --json prefill.json [--points 1x1024,1x4096,...] [--profile]
+        [--gate softplus]
 """
 from __future__ import annotations
 
@@ -121,7 +123,8 @@ def fla(config: KdaConfig, B: int, L: int, torch, profile: bool = False) -> dict
     call = lambda: chunk_kda(q, k, v, gate, beta, scale=config.query_scale,
                              output_final_state=True, use_qk_l2norm_in_kernel=True,
                              use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True,
-                             safe_gate=True, lower_bound=float(config.lower_bound),
+                             safe_gate=config.lower_bound is not None,
+                             lower_bound=config.lower_bound,
                              A_log=a_log, dt_bias=dt_bias)
     call()
     torch.cuda.synchronize()
@@ -141,7 +144,8 @@ def fla(config: KdaConfig, B: int, L: int, torch, profile: bool = False) -> dict
 
 
 def run(args) -> list:
-    config = KdaConfig(heads=args.heads, tokens=4)
+    config = KdaConfig(heads=args.heads, tokens=4,
+                       **({"lower_bound": None} if args.gate == "softplus" else {}))
     torch = peers.torch_or_none()
     fla_why = peers.fla_unavailable(torch)
     budget = measure.Budget(args.budget_s, reserve_s=5.0)
@@ -173,6 +177,10 @@ def parse(argv):
                         help="also trace one call of each: GPU time by kernel name")
     parser.add_argument("--budget-s", type=float, default=600.0,
                         help="no new point is started past it")
+    parser.add_argument("--gate", choices=("sigmoid", "softplus"), default="sigmoid",
+                        help="the forget gate: the sigmoid gate at KdaConfig's default "
+                             "lower_bound, or the softplus gate (lower_bound None, "
+                             "Kimi-Linear's)")
     return parser.parse_args(argv)
 
 

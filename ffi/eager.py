@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 
 from jax_kda import kernel_abi
+from jax_kda.backends import kernel_takes
 from jax_kda.config import KdaConfig
 from jax_kda.ffi.launch import kernel_split, solo_ctas
 from jax_kda.pytrees import KdaCache, KdaParams, VerifyInputs
@@ -48,12 +49,14 @@ def eager_verify(params: KdaParams, cache: KdaCache, inputs: VerifyInputs, out,
     int32 device array holding the layer to run; None for one layer's. stream: None
     (the default stream), an int CUstream handle, or a cupy/torch stream. With
     config.trees, inputs.parents and cache.nodes are required (a chain's parents:
-    t - 1).
+    t - 1). Raises ValueError where the kernel does not run `config`
+    (`backends.kernel_takes`).
     """
     from cutlass.cute.runtime import from_dlpack
 
     from jax_kda.kernels import compile_verify
 
+    kernel_takes(config)
     handle = _stream_handle(stream)
     arrays = kernel_abi.values(params, cache, inputs, layer, out)
     named = dict(zip(kernel_abi.NAMES, arrays))

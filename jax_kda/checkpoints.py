@@ -9,10 +9,9 @@ Sizes: D the hidden size, H heads, K = 128. The two namings of one layer:
 - "hf": a Kimi-Linear-style checkpoint's files (`model.layers.{i}.self_attn.` before
   each name: Kimi-Linear, GLM-5-Next's linear layers).
 
-What jax_kda computes of them (docs/spec.md) differs from fla in one place only: the
-forget gate. jax_kda's is `lower_bound * sigmoid(exp(A_log) * (g + dt_bias))`, fla's
-with `lower_bound` set; fla's default (`lower_bound=None`) and Kimi-Linear's released
-checkpoints use `-exp(A_log) * softplus(g + dt_bias)`, which jax_kda does not compute.
+The forget gate follows fla's `lower_bound` (the config's): a float is the gate
+`lower_bound * sigmoid(exp(A_log) * (g + dt_bias))`; None, fla's default and Kimi-Linear's
+released checkpoints', is `-exp(A_log) * softplus(g + dt_bias)`.
 """
 from __future__ import annotations
 
@@ -75,7 +74,7 @@ def convert_layer(state: Mapping[str, np.ndarray], config: KdaConfig, *,
         checkpoint's gated-norm epsilon (fla's `norm_eps`, Hugging Face's
         `rms_norm_eps`), which a state dict does not hold.
       lower_bound: the checkpoint's forget-gate lower bound (fla's `lower_bound`; None
-        for the softplus gate, which jax_kda does not compute: refused).
+        for the softplus gate of fla's default and Kimi-Linear's checkpoints).
       names: "fla" or "hf", the naming of `state` (the module's docstring).
       prefix: what precedes the layer's names in `state`, e.g.
         "model.layers.0.self_attn.".
@@ -95,15 +94,10 @@ def convert_layer(state: Mapping[str, np.ndarray], config: KdaConfig, *,
         raise ValueError(f"names: expected one of {NAMINGS}, got {names!r}")
     if not isinstance(config, KdaConfig):
         raise TypeError(f"config: expected a KdaConfig, got {type(config).__name__}")
-    if lower_bound is None:
-        raise ValueError(
-            "lower_bound: None is the softplus forget gate -exp(A_log) * softplus(g + "
-            "dt_bias) (fla's default, Kimi-Linear's released checkpoints), which jax_kda "
-            "does not compute: its gate is lower_bound * sigmoid(exp(A_log) * (g + "
-            "dt_bias))")
     if lower_bound != config.lower_bound:
         raise ValueError(f"lower_bound: the checkpoint's {lower_bound!r} differs from "
-                         f"config.lower_bound={config.lower_bound!r}")
+                         f"config.lower_bound={config.lower_bound!r} (None is the softplus "
+                         f"gate of fla's default and Kimi-Linear's checkpoints)")
     column = NAMINGS.index(names)
     full = {role: prefix + row[column] for role, row in WEIGHTS.items()}
     arrays = {role: state[name] for role, name in full.items() if name in state}

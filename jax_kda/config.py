@@ -97,8 +97,10 @@ class KdaConfig:
         drafts, a chain or, with `trees`, a tree of them.
       record_tokens: RQ, tokens a record row holds; None means C * T (C =
         checkpoint_every). Must be >= T.
-      lower_bound: the gate's lower bound (< 0); decays are
-        exp(lower_bound * sigmoid(.)).
+      lower_bound: the forget gate's lower bound (< 0): decays are
+        exp(lower_bound * sigmoid(exp(a_log) (g + dt_bias))), each log decay in
+        [lower_bound, 0]; None: the softplus gate of fla's default and Kimi-Linear's
+        checkpoints, decays exp(-exp(a_log) softplus(g + dt_bias)), unbounded below.
       scale: the query scale (> 0); None means K**-0.5.
       eps: the gated RMSNorm's epsilon (> 0).
       gate_mode: FP32 summation order of the gate projection: 0 = one chain over the
@@ -122,7 +124,7 @@ class KdaConfig:
     heads: int
     tokens: int
     record_tokens: int | None = None
-    lower_bound: float = -5.0
+    lower_bound: float | None = -5.0
     scale: float | None = None
     eps: float = 1e-5
     gate_mode: int = 0
@@ -137,7 +139,7 @@ class KdaConfig:
             ("tokens", integer, lambda v: 2 <= v <= MAX_TOKENS, f"an int in 2..{MAX_TOKENS}"),
             ("record_tokens", integer, lambda v: v >= self.tokens,
              f"None or an int >= tokens={self.tokens}"),
-            ("lower_bound", real, lambda v: v < 0, f"a float < 0 {IN_FP32}"),
+            ("lower_bound", real, lambda v: v < 0, f"None or a float < 0 {IN_FP32}"),
             ("scale", real, lambda v: v > 0, f"None or a float > 0 {IN_FP32}"),
             ("eps", real, lambda v: v > 0, f"a float > 0 {IN_FP32}"),
             ("gate_mode", integer, lambda v: v in (0, 1), "0 or 1"),

@@ -37,10 +37,13 @@ def l2_normalize(x, scale=1.0):
 
 
 def decay(raw_g, a_log, dt_bias, lower_bound):
-    """d = exp(lower_bound * sigmoid(exp(a_log) * (raw_g + dt_bias))) per key channel.
+    """d = exp(lower_bound * sigmoid(exp(a_log) * (raw_g + dt_bias))) per key channel, or
+    for lower_bound None (the softplus gate) exp(-exp(a_log) * softplus(raw_g + dt_bias)).
 
     raw_g: [..., H, K] bf16 values; a_log: [H]; dt_bias: [H, K].
     """
+    if lower_bound is None:
+        return jnp.exp(-jnp.exp(a_log)[:, None] * jax.nn.softplus(raw_g + dt_bias))
     return jnp.exp(lower_bound * jax.nn.sigmoid(jnp.exp(a_log)[:, None] * (raw_g + dt_bias)))
 
 

@@ -43,11 +43,14 @@ SUBCHUNK = 16  # the operands kernel's sub-chunk, fewer where the decays are ste
 EXPONENT_LIMIT = 60.0 * math.log(2.0)  # largest |log| of one factor of a pair's
 
 
-def subchunk(lower_bound: float) -> int:
+def subchunk(lower_bound: float | None) -> int:
     """The sub-chunk size c (a power of two <= SUBCHUNK): c / 2 tokens of decays at the
     bound make one factor of a pair at most 2^60 (both factors stay far from FP32's
     range, and their product is the pair's), around a sub-chunk's middle token as the
-    operands kernel splits them."""
+    operands kernel splits them. 1 for the softplus gate (None), whose decays have no
+    bound."""
+    if lower_bound is None:
+        return 1
     c = SUBCHUNK
     while c > 1 and (c / 2) * -lower_bound > EXPONENT_LIMIT:
         c //= 2
@@ -65,7 +68,7 @@ def suffix_products(d):
     return jnp.concatenate([from_t[..., 1:, :], jnp.ones_like(d[..., :1, :])], axis=-2)
 
 
-def pair_block(lower_bound: float) -> int:
+def pair_block(lower_bound: float | None) -> int:
     """Tokens per block of `block_pair_products` (a power of two <= SUBCHUNK / 2): the decays of
     a block at the bound multiply to at least 2^-60, so a pair's factors, measured from
     the token before its block, stay within 2^+-60. One token where a single decay may
@@ -138,14 +141,14 @@ class Operands(NamedTuple):
     bm: jax.Array
 
 
-def chunk_operands(q, k, v, beta, d, *, lower_bound: float, chunk: int | None = None
+def chunk_operands(q, k, v, beta, d, *, lower_bound: float | None, chunk: int | None = None
                    ) -> Operands:
     """The chunks' operands of a prompt (in XLA; `jax_kda.ffi.cutedsl_chunk_operands` is
     its kernel). q, k, v, d: [B, H, P, K]; beta: [B, H, P]. Tokens past a prompt are
     identities (d = 1, beta = 0) and P is padded with them to whole chunks.
-    lower_bound: the config's (every log decay lies in [lower_bound, 0]); chunk: tokens
-    per chunk (default `chunk_size`, at most 16 blocks of `pair_block`: the pair
-    products' graph grows with their count)."""
+    lower_bound: the config's (every log decay lies in [lower_bound, 0]; None: no bound);
+    chunk: tokens per chunk (default `chunk_size`, at most 16 blocks of `pair_block`: the
+    pair products' graph grows with their count)."""
     B, H, P = beta.shape
     K = k.shape[-1]
     chunk = chunk or chunk_size(lower_bound)
@@ -174,12 +177,12 @@ def through_chunks(state, operands: Operands, length: int, *, scan=scan_chunks):
     return state, round_bf16(o).reshape(B, H, N * C, K)[:, :, :length]
 
 
-def chunk_size(lower_bound: float) -> int:
+def chunk_size(lower_bound: float | None) -> int:
     """Tokens per chunk: CHUNK, or 8 sub-chunks where the decays are steep."""
     return min(CHUNK, 8 * subchunk(lower_bound))
 
 
-def operands_kernel_fits(lower_bound: float) -> bool:
+def operands_kernel_fits(lower_bound: float | None) -> bool:
     """Whether the operands' kernel (chunks of CHUNK, sub-chunks of SUBCHUNK) runs at
     this lower_bound (>= about -5.2)."""
     return subchunk(lower_bound) == SUBCHUNK and chunk_size(lower_bound) == CHUNK

@@ -92,8 +92,12 @@ def l2_normalize(x, scale=1.0):
 
 
 def decay(raw_g, a_log, dt_bias, lower_bound):
-    """Per key channel decays of one head from bf16 raw gates [K]."""
-    return np.exp(lower_bound * sigmoid(np.exp(a_log) * (raw_g + dt_bias)))
+    """Per key channel decays of one head from bf16 raw gates [K]: the sigmoid gate of
+    lower_bound, or for None the softplus gate, softplus(x) = log(1 + e^x)."""
+    x = raw_g + dt_bias
+    if lower_bound is None:
+        return np.exp(-np.exp(a_log) * np.logaddexp(0.0, x))
+    return np.exp(lower_bound * sigmoid(np.exp(a_log) * x))
 
 
 def conv_silu(seq, weight, bias, T):

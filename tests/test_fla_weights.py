@@ -124,7 +124,9 @@ def reshaped(state, name, shape):
      r"config\.heads=2: the checkpoint has H=3"),
     (lambda s: {**s, "f_proj.1.weight": "weights"}, {}, TypeError,
      r"f_proj\.1\.weight: expected an array"),
-    (lambda s: s, {"lower_bound": None}, ValueError, r"lower_bound: None is the softplus"),
+    (lambda s: s, {"lower_bound": None}, ValueError,
+     r"lower_bound: the checkpoint's None differs from config\.lower_bound=-3\.0 \(None is "
+     r"the softplus gate"),
     (lambda s: s, {"lower_bound": -5.0}, ValueError,
      r"lower_bound: the checkpoint's -5\.0 differs from config\.lower_bound=-3\.0"),
     (lambda s: s, {"names": "kimi"}, ValueError, r"names: expected one of \('fla', 'hf'\)"),
@@ -157,18 +159,21 @@ def naive_kda(q, k, v, g, beta, *, A_log, dt_bias, initial_state, output_final_s
               use_qk_l2norm_in_kernel, use_gate_in_kernel, use_beta_sigmoid_in_kernel,
               allow_neg_eigval, lower_bound, state_v_first, cu_seqlens, safe_gate=False):
     """fla's chunk_kda / fused_recurrent_kda as its layer calls them, by fla's naive
-    recurrence: q and k normed in FP32 (the kernels' l2norm), the lower-bound gate."""
+    recurrence: q and k normed in FP32 (the kernels' l2norm), the gate of lower_bound
+    (fla's softplus gate for None)."""
     import torch
-    from fla.ops.kda.gate import naive_kda_lowerbound_gate
+    from fla.ops.kda.gate import naive_kda_gate, naive_kda_lowerbound_gate
     from fla.ops.kda.naive import naive_recurrent_kda
 
     assert use_qk_l2norm_in_kernel and use_gate_in_kernel and use_beta_sigmoid_in_kernel
-    assert not allow_neg_eigval and cu_seqlens is None and lower_bound is not None
+    assert not allow_neg_eigval and cu_seqlens is None and not safe_gate
     l2 = lambda x: x.float() / torch.sqrt(x.float().square().sum(-1, keepdim=True) + 1e-6)
     if initial_state is not None and state_v_first:
         initial_state = initial_state.transpose(-1, -2)  # [V, K] -> fla's [K, V]
+    gate = (naive_kda_gate(g, A_log, dt_bias) if lower_bound is None else
+            naive_kda_lowerbound_gate(g, A_log, dt_bias, lower_bound))
     o, state = naive_recurrent_kda(
-        l2(q), l2(k), v, naive_kda_lowerbound_gate(g, A_log, dt_bias, lower_bound),
+        l2(q), l2(k), v, gate,
         beta.float().sigmoid(), initial_state=initial_state,
         output_final_state=output_final_state)
     if state is not None and state_v_first:
@@ -202,8 +207,9 @@ def norm_forward(self, x, g, residual=None, prenorm=False, residual_in_fp32=Fals
 
 @pytest.fixture
 def fla_layer(monkeypatch):
-    """make(conv_bias) -> fla's KimiDeltaAttention in bf16 (A_log and dt_bias f32) with
-    random weights, on CUDA with fla's kernels, else with the torch ops above."""
+    """make(conv_bias, lower_bound) -> fla's KimiDeltaAttention in bf16 (A_log and dt_bias
+    f32) with random weights, on CUDA with fla's kernels, else with the torch ops
+    above."""
     torch, fla_kda, modules = fla_modules()
     device = "cuda" if torch.cuda.is_available() else "cpu"
     if device == "cpu":
@@ -212,15 +218,15 @@ def fla_layer(monkeypatch):
         monkeypatch.setattr(modules.ShortConvolution, "forward", conv_forward)
         monkeypatch.setattr(modules.FusedRMSNormGated, "forward", norm_forward)
 
-    def make(conv_bias):
+    def make(conv_bias, lower_bound):
         torch.manual_seed(5 + conv_bias)
         layer = fla_kda.KimiDeltaAttention(hidden_size=D, head_dim=K, num_heads=HEADS,
-                                           lower_bound=LOWER_BOUND, conv_bias=conv_bias,
+                                           lower_bound=lower_bound, conv_bias=conv_bias,
                                            layer_idx=0)
         with torch.no_grad():  # every weight away from its init's constants
             layer.o_norm.weight.normal_(1.0, 0.2)
             layer.g_proj[1].bias.normal_(0.0, 1.0)
-            layer.dt_bias.normal_(0.0, 1.0)  # decays spread over (exp(lower_bound), 1)
+            layer.dt_bias.normal_(0.0, 1.0)  # decays spread over (0, 1)
             layer.A_log.uniform_(-1.0, 1.0)
         layer = layer.to(device, torch.bfloat16)
         layer.A_log.data, layer.dt_bias.data = layer.A_log.float(), layer.dt_bias.float()
@@ -273,19 +279,22 @@ PATHS = {
 
 
 @pytest.mark.parametrize("path", list(PATHS))
+@pytest.mark.parametrize("lower_bound", [LOWER_BOUND, None], ids=["sigmoid-gate",
+                                                                 "softplus-gate"])
 @pytest.mark.parametrize("conv_bias", [False, True], ids=["no-conv-bias", "conv-bias"])
-def test_matches_fla_layer(fla_layer, conv_bias, path):
+def test_matches_fla_layer(fla_layer, conv_bias, lower_bound, path):
     """A prompt of 24 tokens then a verify of 4, two requests: the layer's outputs (after
     o_proj) within bf16 rounding of fla's on the same hidden states, and the state after
-    the prompt fla's (state_v_first: [V, K], as ours)."""
-    torch, layer, device = fla_layer(conv_bias)
+    the prompt fla's (state_v_first: [V, K], as ours); with fla's lower-bound gate and
+    with its default softplus gate (lower_bound None, Kimi-Linear's)."""
+    torch, layer, device = fla_layer(conv_bias, lower_bound)
     hidden = np.random.default_rng(6 + conv_bias).standard_normal(
         (BATCH, PROMPT + TOKENS, D)).astype(jnp.bfloat16).astype(np.float32)
     want, want_states = fla_run(torch, layer, device, hidden)
     state = {name: value.float().cpu().numpy() for name, value in layer.state_dict().items()}
-    config = KdaConfig(heads=HEADS, tokens=TOKENS, lower_bound=LOWER_BOUND,
+    config = KdaConfig(heads=HEADS, tokens=TOKENS, lower_bound=lower_bound,
                        eps=layer.o_norm.eps)
-    params, projections = convert_layer(state, config, lower_bound=LOWER_BOUND)
+    params, projections = convert_layer(state, config, lower_bound=layer.lower_bound)
     assert (params.conv_bias is not None) == conv_bias
     got, states = ours(params, projections, config, hidden, *PATHS[path])
     assert out_error(got, want) <= TOLERANCES["out"]

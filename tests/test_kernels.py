@@ -157,6 +157,18 @@ def test_cutedsl_on_the_cpu_raises_a_clear_error():
             *example(config))
 
 
+def test_cutedsl_refuses_the_softplus_gate():
+    """The verify kernel computes the sigmoid gate of a lower_bound: an explicit kernel
+    backend with the softplus gate (lower_bound None) is a clear error, not a kernel
+    that computes another gate."""
+    config = KdaConfig(heads=2, tokens=4, split=2, lower_bound=None)
+    with pytest.raises(ValueError, match=r"backend='cutedsl': the verify kernel computes the "
+                                         r"sigmoid gate of a lower_bound, got lower_bound="
+                                         r"None \(the softplus gate\)"):
+        exported(functools.partial(fused_verify, config=config, backend="cutedsl"),
+                 *map(shapes, example(config)))
+
+
 def test_vmap_of_the_kernel_path_folds_into_the_batch():
     """Under jax.vmap the kernel path lowers as one custom call over the folded batch."""
     config = KdaConfig(heads=2, tokens=4, split=2)

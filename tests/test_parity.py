@@ -119,13 +119,15 @@ def first_pending(rng, config):
 
 
 def episode_errors(config, seed, *, conv_bias, conv_dtype, norm_dtype, ties, implementations,
-                   draw):
+                   draw, dt_shift=0.0):
     """Runs an episode of STEPS verifies per implementation; returns the worst error per
-    (implementation, compared with, quantity)."""
+    (implementation, compared with, quantity). dt_shift moves every dt_bias (steeper
+    decays)."""
     rng = np.random.default_rng(seed)
     keys = jax.random.split(draw.key(seed), 2 + STEPS)
     params = draw.params(keys[0], config, conv_dtype=conv_dtype, conv_bias=conv_bias,
                          norm_dtype=norm_dtype)
+    params = dataclasses.replace(params, dt_bias=params.dt_bias + dt_shift)
     if ties:
         params = dataclasses.replace(params, f_b=tie_f_b(rng, HEADS))
     first = draw.cache(keys[1], config, NUM_SLOTS, NUM_RECORDS)
@@ -194,6 +196,22 @@ def test_episode_parity(tokens, gate_mode, conv_bias, ties, implementations, dra
         (name, "stock", quantity) for name in implementations if name != "stock"
         for quantity in ("out", "state", "corrections", "keys", "key_ties", "gates",
                          "gate_ties", "window", "pending")}
+    too_big = {key: value for key, value in worst.items()
+               if not value <= TOLERANCES[key[1:]]}
+    assert not too_big, f"errors above TOLERANCES: {too_big}"
+
+
+@pytest.mark.parametrize("tokens, dt_shift", [(3, 0.0), (8, 40.0)],
+                         ids=["T3-softplus-gate", "T8-softplus-gate-steep"])
+def test_episode_parity_softplus_gate(tokens, dt_shift, implementations, draw):
+    """The softplus gate (lower_bound None, Kimi-Linear's), replays and verifies against
+    the model; shifted by dt_shift 40 its decays lie below e^-40, most under FP32's
+    smallest (about e^-103): the products along the step and the replay underflow to 0
+    where the float64 model's are tiny, never inf * 0."""
+    config = KdaConfig(heads=HEADS, tokens=tokens, lower_bound=None)
+    worst = episode_errors(config, 900 + tokens, conv_bias=True, conv_dtype=jnp.float32,
+                           norm_dtype=jnp.float32, ties=False, implementations=implementations,
+                           draw=draw, dt_shift=dt_shift)
     too_big = {key: value for key, value in worst.items()
                if not value <= TOLERANCES[key[1:]]}
     assert not too_big, f"errors above TOLERANCES: {too_big}"

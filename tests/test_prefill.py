@@ -51,14 +51,20 @@ def poisoned(cache):
 
 
 @pytest.mark.parametrize("name", list(IMPLEMENTATIONS))
-@pytest.mark.parametrize("gate_mode,conv_dtype,conv_bias", [
-    (0, jnp.float32, True), (1, jnp.bfloat16, False)], ids=["mode0-f32", "mode1-bf16-nobias"])
-def test_prefill_matches_model(gate_mode, conv_dtype, conv_bias, name, draw):
+@pytest.mark.parametrize("gate_mode,conv_dtype,conv_bias,lower_bound,dt_shift", [
+    (0, jnp.float32, True, -5.0, 0.0), (1, jnp.bfloat16, False, -5.0, 0.0),
+    (0, jnp.float32, True, None, 0.0), (1, jnp.float32, False, None, 40.0)],
+    ids=["mode0-f32", "mode1-bf16-nobias", "softplus-gate", "softplus-gate-steep"])
+def test_prefill_matches_model(gate_mode, conv_dtype, conv_bias, lower_bound, dt_shift, name,
+                               draw):
     """Lengths 0..40 in one batch (P = 41, not a multiple of the chunk) with a padding
-    row; outputs, checkpoint, window, pending against the model; nothing else moves."""
-    config = KdaConfig(heads=HEADS, tokens=4, gate_mode=gate_mode)
+    row; outputs, checkpoint, window, pending against the model; nothing else moves.
+    The softplus gate (lower_bound None) has no bound: shifted by dt_shift 40 its
+    decays lie below e^-40, most under FP32's smallest (about e^-103)."""
+    config = KdaConfig(heads=HEADS, tokens=4, gate_mode=gate_mode, lower_bound=lower_bound)
     params = draw.params(draw.key(11 + gate_mode), config, conv_dtype=conv_dtype,
                          conv_bias=conv_bias)
+    params = dataclasses.replace(params, dt_bias=params.dt_bias + dt_shift)
     cache = poisoned(draw.cache(draw.key(21 + gate_mode), config, NUM_SLOTS, NUM_RECORDS))
     rng = np.random.default_rng(gate_mode)
     slots = rng.permutation(np.arange(1, NUM_SLOTS))[:len(LENGTHS) + 1]
@@ -245,8 +251,9 @@ def test_empty_prompts_and_batches(width, slots, draw):
 @pytest.mark.parametrize("backend,lower_bound,match", [
     ("xla", -5.0, r"^backend: expected one of \('auto', 'jax', 'cutedsl'\), got 'xla'$"),
     ("cutedsl", -50.0, r"chunks of 8 tokens \(lower_bound -50.0\) are not a multiple of 16"),
+    ("cutedsl", None, r"chunks of 8 tokens \(lower_bound None\) are not a multiple of 16"),
     ("cutedsl", -5.0, r"runs on CUDA GPUs .* lowered for \('cpu',\)"),
-], ids=["unknown", "chunk-of-8", "not-cuda"])
+], ids=["unknown", "chunk-of-8", "softplus-gate", "not-cuda"])
 def test_prefill_rejects_a_backend_it_cannot_run(backend, lower_bound, match, draw):
     """A backend that does not exist, the chunk kernel at chunks it does not take (steep
     decays), and the chunk kernel lowered for the CPU: each a clear ValueError."""

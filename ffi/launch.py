@@ -38,16 +38,21 @@ def solo_ctas(config: KdaConfig, batch: int, split: int, sms: int | None = None)
 def kernel_split(config: KdaConfig, batch: int, sms: int | None = None) -> int:
     """The split the kernel runs `config` with at `batch` requests: config.split, or
     `choose_split`'s raised to the smallest whose CTA fits the shared memory
-    (`FusedLayout.shared_bytes`: long records need more). Raises ValueError, naming the
-    need, where none fits."""
+    (`FusedLayout.shared_bytes`: long records need more), never one whose build spills
+    (`backends.spilling_build`: the largest below then). Raises ValueError, naming the
+    need, where the kernel does not take `config` (`backends.kernel_takes`) or no split
+    fits."""
+    from jax_kda.backends import kernel_takes, spilling_build
     from jax_kda.kernels.fused_layout import FusedLayout
 
+    kernel_takes(config)
     if config.split is None and not isinstance(batch, int):
         raise ValueError(f"config.split: a symbolic batch size ({batch}) needs an explicit "
                          f"split, one of {SPLITS}")
     if config.split is None:
         first = choose_split(batch * config.heads, sm_count() if sms is None else sms)
-        candidates = [s for s in SPLITS if s >= first]
+        unspilled = [s for s in SPLITS if not spilling_build(config, s)]
+        candidates = [s for s in unspilled if s >= first] or unspilled[-1:]
     else:
         candidates = [config.split]
     for split in candidates:

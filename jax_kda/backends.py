@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 
 from jax_kda import prompt_chunks, xla
-from jax_kda.config import KdaConfig
+from jax_kda.config import SPLITS, KdaConfig
 from jax_kda.layer import Prompt, convolved, gate_projection
 from jax_kda.pytrees import KdaParams
 from jax_kda.steps import prompt_step
@@ -101,24 +101,28 @@ class VerifyPlan:
 def kernel_takes(config: KdaConfig) -> None:
     """Raises ValueError, naming the need, where the verify kernel cannot run `config`
     at all: it verifies chains and trees of up to KERNEL_TOKENS tokens but for the builds
-    that spill (`spilling_build`; those run in XLA)."""
+    that spill at every split it may take (`spilling_build`; those run in XLA)."""
     if config.tokens > KERNEL_TOKENS:
         raise ValueError(f"backend='cutedsl': the verify kernel takes T <= {KERNEL_TOKENS} "
                          f"tokens, got tokens={config.tokens}; use backend='auto' or "
                          f"backend='jax'")
-    spills = spilling_build(config)
-    if spills:
-        raise ValueError(f"backend='cutedsl': the verify kernel takes no {spills}; use "
+    spills = [spilling_build(config, split)
+              for split in (SPLITS if config.split is None else (config.split,))]
+    if all(spills):
+        raise ValueError(f"backend='cutedsl': the verify kernel takes no {spills[0]}; use "
                          f"backend='auto' or backend='jax'")
 
 
-def spilling_build(config: KdaConfig) -> str | None:
+def spilling_build(config: KdaConfig, split: int) -> str | None:
     """The verify kernel's builds that spill registers (the compile table's, `python -m
-    jax_kda.kernels`), named; None for every other."""
+    jax_kda.kernels`), named; None for every other. `ffi.kernel_split` launches none of
+    them."""
     if config.tokens == 9 and config.gate_mode == 1:
         return "tokens=9 at gate_mode=1 (its gate projection's one-token second tile)"
     if config.trees and config.tokens == 13:
         return "tree of tokens=13 (its pair products, batched or node by node)"
+    if config.trees and config.tokens == 16 and config.lower_bound is None and split == 8:
+        return "tree of tokens=16 with the softplus gate at split=8 (its replay's 16 decays)"
     return None
 
 

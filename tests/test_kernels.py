@@ -92,11 +92,13 @@ def modules(text):
 def test_one_binary_per_configuration_for_every_batch():
     """A configuration compiles once: two batch sizes, cache sizes and a stacked call at
     another layer count share its binary (and the second lowering compiles nothing);
-    configurations that differ in a compiled-in scalar (eps), the split or the lazy
-    checkpoint (the same records) get their own."""
+    configurations that differ in a compiled-in scalar (eps), the split, the lazy
+    checkpoint (the same records) or the forget gate (the softplus gate's) get their
+    own."""
     base = KdaConfig(heads=2, tokens=4, split=2)
     others = [dataclasses.replace(base, eps=1e-3), dataclasses.replace(base, split=1),
-              dataclasses.replace(base, checkpoint_every=2, record_tokens=base.rq)]
+              dataclasses.replace(base, checkpoint_every=2, record_tokens=base.rq),
+              dataclasses.replace(base, lower_bound=None)]
 
     def program(params, cache, inputs, small):
         outs = []
@@ -110,7 +112,7 @@ def test_one_binary_per_configuration_for_every_batch():
     _, _, small = example(base, batch=2)
     found = modules(exported(program, *map(shapes, (params, cache, inputs, small)))
                     .mlir_module())
-    assert len(found) == 5 and len(set(found)) == 4 and found[0] == found[4]
+    assert len(found) == 6 and len(set(found)) == 5 and found[0] == found[5]
 
     step = lambda p, c, i: fused_verify(p, c, i, base, backend="cutedsl")
     _, bigger, five = example(base, batch=5)
@@ -155,18 +157,6 @@ def test_cutedsl_on_the_cpu_raises_a_clear_error():
                                          r"CUDA GPUs .* lowered for \('cpu',\)"):
         jax.jit(functools.partial(fused_verify, config=config, backend="cutedsl")).lower(
             *example(config))
-
-
-def test_cutedsl_refuses_the_softplus_gate():
-    """The verify kernel computes the sigmoid gate of a lower_bound: an explicit kernel
-    backend with the softplus gate (lower_bound None) is a clear error, not a kernel
-    that computes another gate."""
-    config = KdaConfig(heads=2, tokens=4, split=2, lower_bound=None)
-    with pytest.raises(ValueError, match=r"backend='cutedsl': the verify kernel computes the "
-                                         r"sigmoid gate of a lower_bound, got lower_bound="
-                                         r"None \(the softplus gate\)"):
-        exported(functools.partial(fused_verify, config=config, backend="cutedsl"),
-                 *map(shapes, example(config)))
 
 
 def test_vmap_of_the_kernel_path_folds_into_the_batch():
@@ -346,18 +336,31 @@ PLANS = [  # (config, whether the kernel takes it)
     (KdaConfig(heads=32, tokens=13, trees=True), False),
     (KdaConfig(heads=32, tokens=9), True),
     (KdaConfig(heads=32, tokens=9, gate_mode=1), False),
+    (KdaConfig(heads=32, tokens=16, trees=True, lower_bound=None), True),
+    (KdaConfig(heads=32, tokens=16, trees=True, lower_bound=None, split=8), False),
 ]
 
 
 @pytest.mark.parametrize("config, kernel", PLANS,
                          ids=["chain-16", "tree-16", "chain-13", "tree-13", "chain-9",
-                              "chain-9-gate1"])
+                              "chain-9-gate1", "softplus-tree-16", "softplus-tree-16-split8"])
 def test_the_verify_plan_takes_the_builds_that_compile(config, kernel):
     """"auto" plans the kernel for CUDA where its build compiles without spills (chains
-    and trees to T = 16 but a tree of 13 and T = 9 at gate_mode 1: the compile table)
-    and XLA elsewhere; "cutedsl" raises there, naming the need."""
+    and trees to T = 16 but a tree of 13, T = 9 at gate_mode 1 and a softplus tree of 16
+    at split 8: the compile table) and XLA elsewhere; "cutedsl" raises there, naming the
+    need."""
     plan = backends.verify_plan(config, 64, "auto")
     assert (plan.cuda is not None) == kernel and plan.other is None
     if not kernel:
         with pytest.raises(ValueError, match="backend='cutedsl': the verify kernel takes"):
             backends.verify_plan(config, 64, "cutedsl")
+
+
+def test_kernel_split_passes_a_spilling_split():
+    """A softplus tree of 16 spills at split 8 alone: a launch that would take 8 (one
+    request, one head) takes 4, the largest below that compiles without spills; larger
+    batches keep `choose_split`'s."""
+    config = KdaConfig(heads=1, tokens=16, trees=True, lower_bound=None)
+    assert choose_split(1, 132) == 8 and kernel_split(config, 1, sms=132) == 4
+    assert kernel_split(dataclasses.replace(config, lower_bound=-5.0), 1, sms=132) == 8
+    assert kernel_split(config, 64, sms=132) == choose_split(64, 132)

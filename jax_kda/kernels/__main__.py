@@ -7,9 +7,11 @@ tokens), the chunks' operands at the default config and the prompt's convolution
 
 Every T of 2..8, 12 and 16, gate mode and split, then the operand variants (no bias;
 bf16 conv and norm weights), the stacked-layer build, the lazy checkpoint
-(checkpoint_every 4), the token-tree build and a bf16 state on one shape per split, checkpoint_every 2
-and 8 at split 1, the tree build at T = 2, 8, 12 and 16 on every split; `--subset`: every
-split at tokens 2, 4 and 8.
+(checkpoint_every 4), the token-tree build, a bf16 state and the softplus gate on one
+shape per split, checkpoint_every 2 and 8 at split 1, the tree build at T = 2, 8, 12 and
+16 on every split, and the softplus gate at T = 8 on every split and in a tree of 16 on
+the splits it launches (`backends.spilling_build`); `--subset`: every split at tokens 2,
+4 and 8.
 Configurations compile in N processes (default: one per CPU). The exit status is 1 if a
 configuration fails to compile or spills.
 """
@@ -52,7 +54,7 @@ def launch_smem_bytes(compiled):
 
 def configurations(subset, only=()):
     base = dict(has_bias=True, conv_dtype="float32", norm_dtype="float32", stacked=False,
-                checkpoint_every=1, trees=False, state_dtype="float32")
+                checkpoint_every=1, trees=False, state_dtype="float32", softplus=False)
     if only:
         for T, gate_mode, split in only:
             yield dict(base, tokens=T, gate_mode=gate_mode, split=split)
@@ -63,13 +65,18 @@ def configurations(subset, only=()):
     if not subset:  # the operand variants, stacked and lazy builds, one shape per split
         variants = [dict(has_bias=False), dict(conv_dtype="bfloat16", norm_dtype="bfloat16"),
                     dict(stacked=True), dict(checkpoint_every=4), dict(trees=True),
-                    dict(state_dtype="bfloat16")]
+                    dict(state_dtype="bfloat16"), dict(softplus=True)]
         for split, variant in itertools.product((1, 2, 4, 8), variants):
             yield dict(base, tokens=4, gate_mode=0, split=split, **variant)
         for every in (2, 8):  # the shortest and the longest records of split 1
             yield dict(base, tokens=4, gate_mode=0, split=1, checkpoint_every=every)
         for T, split in itertools.product((2, 8, 12, 16), (1, 2, 4, 8)):
             yield dict(base, tokens=T, gate_mode=1, split=split, trees=True)
+        for split in (1, 2, 4, 8):  # a softplus tree of 16 spills at split 8: not launched
+            yield dict(base, tokens=8, gate_mode=1, split=split, softplus=True)
+            if split < 8:
+                yield dict(base, tokens=16, gate_mode=1, split=split, trees=True,
+                           softplus=True)
 
 
 def compile_one(arch, heads, c):
@@ -79,7 +86,8 @@ def compile_one(arch, heads, c):
 
     config = KdaConfig(heads=heads, tokens=c["tokens"], gate_mode=c["gate_mode"],
                        checkpoint_every=c["checkpoint_every"], trees=c["trees"],
-                       state_dtype=c["state_dtype"])
+                       state_dtype=c["state_dtype"],
+                       **({"lower_bound": None} if c["softplus"] else {}))
     return (c, *measured(arch, lambda: FusedVerify(
         config, c["split"], c["has_bias"], conv_dtype=c["conv_dtype"],
         norm_dtype=c["norm_dtype"], stacked=c["stacked"])))
@@ -140,9 +148,8 @@ def main(argv=None):
                         help="compile just this configuration (repeatable)")
     args = parser.parse_args(argv)
     print(f"{'T':>2} {'gate':>4} {'split':>5} {'bias':>5} {'conv':>8} {'norm':>8} "
-          f"{'stack':>5} {'every':>5} {'tree':>5} {'state':>8} {'regs':>4} {'local':>5} "
-          f"{'smem':>6} "
-          f"{'secs':>5}  status",
+          f"{'stack':>5} {'every':>5} {'tree':>5} {'state':>8} {'forget':>8} {'regs':>4} "
+          f"{'local':>5} {'smem':>6} {'secs':>5}  status",
           flush=True)
     failed = 0
     work = list(configurations(args.subset, args.only))
@@ -153,9 +160,9 @@ def main(argv=None):
             print(f"{c['tokens']:>2} {c['gate_mode']:>4} {c['split']:>5} "
                   f"{str(c['has_bias']):>5} {c['conv_dtype']:>8} {c['norm_dtype']:>8} "
                   f"{str(c['stacked']):>5} {c['checkpoint_every']:>5} "
-                  f"{str(c['trees']):>5} {c['state_dtype']:>8} {regs!s:>4} "
-                  f"{local!s:>5} {smem!s:>6} "
-                  f"{seconds:5.1f}  {status}", flush=True)
+                  f"{str(c['trees']):>5} {c['state_dtype']:>8} "
+                  f"{'softplus' if c['softplus'] else 'sigmoid':>8} {regs!s:>4} "
+                  f"{local!s:>5} {smem!s:>6} {seconds:5.1f}  {status}", flush=True)
     if not args.only:
         with concurrent.futures.ProcessPoolExecutor(max(1, min(args.jobs, 3))) as pool:
             for chunk, regs, local, smem, seconds, status in pool.map(

@@ -361,7 +361,10 @@ def decays(raw_gates, a_exp, dts, lower_bound):
     No IEEE fallback where |lower_bound| <= 2^60: a denominator d past 2^100 puts the
     sigmoid below 2^-100 and |lower_bound sigmoid| below 2^-40, whose exp is 1.0 as exp(0)
     is (the GPU tests check both on the device), so the sigmoid is taken as 0 there
-    (a NaN d stays NaN); within 2^100 the fast quotient is the IEEE one."""
+    (a NaN d stays NaN); within 2^100 the fast quotient is the IEEE one. lower_bound None
+    (a build-time choice): the softplus gate (`softplus_decays`)."""
+    if lower_bound is None:
+        return softplus_decays([g + dt for g, dt in zip(raw_gates, dts)], a_exp)
     inputs = [a_exp * (g + dt) for g, dt in zip(raw_gates, dts)]
     if abs(lower_bound) > 2.0**60:  # a build-time float
         return [exp(lower_bound * s) for s in sigmoids(inputs)]
@@ -369,6 +372,14 @@ def decays(raw_gates, a_exp, dts, lower_bound):
     return [exp(lower_bound * Float32(cutlass.select_(d > FAST_HIGH, Float32(0.0),
                                                       fast_quotient(Float32(1.0), d))))
             for d in dens]
+
+
+def softplus_decays(inputs, a_exp):
+    """[exp(-(a_exp * softplus(x)))] with softplus(x) = max(x, 0) + log1p(exp(-|x|)),
+    XLA's logaddexp(x, 0) step for step (a NaN x stays NaN, x = inf gives 0)."""
+    return [exp(-(a_exp * (cutlass.select_(x > 0.0, x, Float32(0.0))
+                           + cute.math.log1p(exp(-cute.math.abs(x))))))
+            for x in inputs]
 
 
 def wide(i):

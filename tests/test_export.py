@@ -112,14 +112,12 @@ def test_one_artifact_for_cuda_and_cpu(name, draw):
 @pytest.mark.parametrize("name,config", [
     ("verify", KdaConfig(heads=2, tokens=2, record_tokens=96, split=1)),
     ("prefill", KdaConfig(heads=2, tokens=4, lower_bound=-50.0)),
-    ("verify", KdaConfig(heads=2, tokens=4, lower_bound=None)),
-    ("prefill", KdaConfig(heads=2, tokens=4, lower_bound=None))],
-    ids=["verify-records-past-shared-memory", "prefill-chunks-of-8", "verify-softplus-gate",
-         "prefill-softplus-gate"])
+    ("verify", KdaConfig(heads=2, tokens=4, lower_bound=None))],
+    ids=["verify-records-past-shared-memory", "prefill-chunks-of-8", "verify-softplus-gate"])
 def test_auto_is_xla_where_the_kernel_does_not_fit(name, config, draw, monkeypatch):
     """A configuration the kernel cannot take (the verify's CTA past the shared memory,
-    the prefill's chunks not a multiple of 16, the softplus gate): "auto" exports the
-    XLA path for CUDA."""
+    the prefill's chunks not a multiple of 16, the softplus gate's verify): "auto"
+    exports the XLA path for CUDA."""
     step, args = STEPS[name](draw, config)
     refuse_kernels(monkeypatch)
     assert kernel_calls(exported(functools.partial(step, backend="auto"), ["cuda"], args)) == 0

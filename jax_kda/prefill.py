@@ -33,7 +33,7 @@ def prefill(params: KdaParams, cache: KdaCache, inputs: PrefillInputs, config: K
       backend: where the prompt's convolution and chunks run: "cutedsl" (CuTe DSL
         kernels, CUDA GPUs of compute capability >= 9.0: the scan over chunks for chunks
         of a multiple of 16 tokens, and the convolution and the chunks' operands too at
-        lower_bound >= about -5.2; the softplus gate's chunks are XLA's), "jax" (XLA,
+        lower_bound >= about -5.2, not the softplus gate's), "jax" (XLA,
         any device) or "auto": where the chunks suit the scan kernel and
         `kernel_available()`, the kernels on CUDA and XLA on every other platform, chosen
         when the program is lowered; else "jax" (`jax_kda.backends`). The gate

@@ -178,7 +178,11 @@ def through_chunks(state, operands: Operands, length: int, *, scan=scan_chunks):
 
 
 def chunk_size(lower_bound: float | None) -> int:
-    """Tokens per chunk: CHUNK, or 8 sub-chunks where the decays are steep."""
+    """Tokens per chunk: CHUNK, or 8 sub-chunks where the decays are steep; for the
+    softplus gate (None) 16 blocks of one token, the most `chunk_operands` takes and the
+    scan kernel's smallest chunk."""
+    if lower_bound is None:
+        return 16
     return min(CHUNK, 8 * subchunk(lower_bound))
 
 

@@ -123,14 +123,12 @@ def test_one_artifact_for_cuda_and_cpu(name, draw):
 @pytest.mark.parametrize("name,config", [
     ("verify", KdaConfig(heads=2, tokens=2, record_tokens=96, split=1)),
     ("verify", KdaConfig(heads=2, tokens=13, trees=True)),
-    ("prefill", KdaConfig(heads=2, tokens=4, lower_bound=-50.0)),
-    ("prefill", KdaConfig(heads=2, tokens=4, lower_bound=None))],
-    ids=["verify-records-past-shared-memory", "verify-tree-of-13", "prefill-chunks-of-8",
-         "prefill-softplus-gate"])
+    ("prefill", KdaConfig(heads=2, tokens=4, lower_bound=-50.0))],
+    ids=["verify-records-past-shared-memory", "verify-tree-of-13", "prefill-chunks-of-8"])
 def test_auto_is_xla_where_the_kernel_does_not_fit(name, config, draw, monkeypatch):
     """A configuration the kernel cannot take (the verify's CTA past the shared memory, a
-    build that spills, the prefill's chunks not a multiple of 16, the softplus gate's):
-    "auto" exports the XLA path for CUDA."""
+    build that spills, the prefill's chunks not a multiple of 16): "auto" exports the XLA
+    path for CUDA."""
     step, args = STEPS[name](draw, config)
     refuse_kernels(monkeypatch)
     assert kernel_calls(exported(functools.partial(step, backend="auto"), ["cuda"], args)) == 0

@@ -203,13 +203,14 @@ def zero_prompts(B, P, H):
 
 
 @pytest.mark.parametrize("lower_bound,chunk,scale", [
-    (-5.0, 64, None), (-15.0, 32, None), (-30.0, 16, None), (-5.0, 64, 1e30)])
+    (-5.0, 64, None), (-15.0, 32, None), (-30.0, 16, None), (-5.0, 64, 1e30), (None, 16, None)])
 def test_prefill_backends_lower_as_asked(lower_bound, chunk, scale):
     """backend='cutedsl' lowers the prefill's scan over chunks to one CuTe DSL custom call
-    on [B, H, N, chunk, K] operands, with no loop left in the program, and at chunks of
-    64 (lower_bound >= -5.2) and query scales <= 2^60 the convolution and the chunks'
-    operands to two more, on the token-major bf16 tensors before it; backend='jax' to
-    XLA's while loop, with no custom call."""
+    on [B, H, N, chunk, K] operands, with no loop left in the program (the softplus
+    gate's too, lower_bound None: chunks of 16), and at chunks of 64 (lower_bound >=
+    -5.2) and query scales <= 2^60 the convolution and the chunks' operands to two more,
+    on the token-major bf16 tensors before it; backend='jax' to XLA's while loop, with
+    no custom call."""
     config = KdaConfig(heads=2, tokens=4, lower_bound=lower_bound, scale=scale)
     _, cache, _ = example(config)
     params = random_params(jax.random.key(0), config)

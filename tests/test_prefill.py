@@ -251,9 +251,8 @@ def test_empty_prompts_and_batches(width, slots, draw):
 @pytest.mark.parametrize("backend,lower_bound,match", [
     ("xla", -5.0, r"^backend: expected one of \('auto', 'jax', 'cutedsl'\), got 'xla'$"),
     ("cutedsl", -50.0, r"chunks of 8 tokens \(lower_bound -50.0\) are not a multiple of 16"),
-    ("cutedsl", None, r"chunks of 8 tokens \(lower_bound None\) are not a multiple of 16"),
     ("cutedsl", -5.0, r"runs on CUDA GPUs .* lowered for \('cpu',\)"),
-], ids=["unknown", "chunk-of-8", "softplus-gate", "not-cuda"])
+], ids=["unknown", "chunk-of-8", "not-cuda"])
 def test_prefill_rejects_a_backend_it_cannot_run(backend, lower_bound, match, draw):
     """A backend that does not exist, the chunk kernel at chunks it does not take (steep
     decays), and the chunk kernel lowered for the CPU: each a clear ValueError."""

@@ -59,13 +59,15 @@ def piece(prompt, starts, lengths, width, slots, rows, resume):
                          resume=jnp.asarray(resume, bool))
 
 
+@pytest.mark.parametrize("lower_bound", [-5.0, None], ids=["sigmoid-gate", "softplus-gate"])
 @pytest.mark.parametrize("name", NAMES)
-def test_pieces_equal_the_whole_prompt(name, draw):
+def test_pieces_equal_the_whole_prompt(name, lower_bound, draw):
     """Prompts of 150, 5, 0 and 97 tokens (and a padding row) in three pieces of up to 64
     tokens, each request's pieces of its own lengths (some empty, one of fewer than the
     three window positions): outputs, checkpoint, window and pending equal the whole
-    prompt's, and the model's."""
-    config = KdaConfig(heads=HEADS, tokens=4)
+    prompt's, and the model's; at both forget gates (the softplus gate's chunks of 16,
+    on Hopper through the scan kernel)."""
+    config = KdaConfig(heads=HEADS, tokens=4, lower_bound=lower_bound)
     params = draw.params(draw.key(41), config)
     cache = draw.cache(draw.key(42), config, NUM_SLOTS, NUM_RECORDS)
     rng = np.random.default_rng(41)

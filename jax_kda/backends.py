@@ -200,7 +200,7 @@ class PrefillPlan:
 
 def scan_kernel_fits(config: KdaConfig) -> bool:
     """Whether the prefill's chunks suit the scan kernel (a multiple of 16 tokens:
-    lower_bound >= about -41.6, not the softplus gate's)."""
+    lower_bound >= about -41.6, and the softplus gate's 16)."""
     return prompt_chunks.chunk_size(config.lower_bound) % 16 == 0
 
 

@@ -46,6 +46,8 @@ first checks its cache after one step against the single-device step's (TP_TOLER
 then is timed as above (tp_error: that check's worst leaf, in units of its tolerance);
 speedup is the tp = 1 scan's blocked_us over its own.
 
+--state-dtype bfloat16 times the same step on a bf16 state (`KdaConfig.state_dtype`).
+
 XLA flags come from the environment; bench.py runs it once per command-buffer setting:
 
     XLA_FLAGS=--xla_gpu_enable_command_buffer= python benchmarks/decoder.py --json out.json
@@ -298,13 +300,13 @@ def save(rows: list, path: str):
 def run(args) -> list:
     """Every row of the section (see the module's docstring), written to args.json
     after each batch size."""
-    config = KdaConfig(heads=args.heads, tokens=args.tokens)
+    config = KdaConfig(heads=args.heads, tokens=args.tokens, state_dtype=args.state_dtype)
     L = args.layers
     budget = measure.Budget(args.budget_s, reserve_s=5.0)
     rows, unroll, cost = [], args.unroll, 0.0
     for B in args.batches:
         common = dict(B=B, T=args.tokens, heads=args.heads, layers=L, backend=args.backend,
-                      S=B + SPARE)
+                      state=args.state_dtype, S=B + SPARE)
         if not budget.allows(cost):
             rows.append(dict(common, skipped=f"budget ({budget.left():.0f} s left)"))
             continue
@@ -354,6 +356,8 @@ def parse(argv):
     parser.add_argument("--layers", type=int, default=measure.KIMI_LAYERS)
     parser.add_argument("--heads", type=int, default=measure.KIMI_HEADS)
     parser.add_argument("--tokens", type=int, default=4)
+    parser.add_argument("--state-dtype", choices=("float32", "bfloat16"), default="float32",
+                        help="the cache's state dtype (KdaConfig.state_dtype)")
     parser.add_argument("--batches", type=ints, default=[1, 16, 64],
                         help="batch sizes B (default 1,16,64)")
     parser.add_argument("--backend", default=None,

@@ -9,9 +9,9 @@ Every T of 2..8, 12 and 16, gate mode and split, then the operand variants (no b
 bf16 conv and norm weights), the stacked-layer build, the lazy checkpoint
 (checkpoint_every 4), the token-tree build, a bf16 state and the softplus gate on one
 shape per split, checkpoint_every 2 and 8 at split 1, the tree build at T = 2, 8, 12 and
-16 on every split, and the softplus gate at T = 8 on every split and in a tree of 16 on
-the splits it launches (`backends.spilling_build`); `--subset`: every split at tokens 2,
-4 and 8.
+16 on every split, a bf16 state at T = 8 and in a tree of 16 on every split, and the
+softplus gate at T = 8 on every split and in a tree of 16 on the splits it launches
+(`backends.spilling_build`); `--subset`: every split at tokens 2, 4 and 8.
 Configurations compile in N processes (default: one per CPU). The exit status is 1 if a
 configuration fails to compile or spills.
 """
@@ -72,6 +72,10 @@ def configurations(subset, only=()):
             yield dict(base, tokens=4, gate_mode=0, split=1, checkpoint_every=every)
         for T, split in itertools.product((2, 8, 12, 16), (1, 2, 4, 8)):
             yield dict(base, tokens=T, gate_mode=1, split=split, trees=True)
+        for split in (1, 2, 4, 8):  # a bf16 state past one shape: two rows a thread, a tree
+            yield dict(base, tokens=8, gate_mode=1, split=split, state_dtype="bfloat16")
+            yield dict(base, tokens=16, gate_mode=1, split=split, trees=True,
+                       state_dtype="bfloat16")
         for split in (1, 2, 4, 8):  # a softplus tree of 16 spills at split 8: not launched
             yield dict(base, tokens=8, gate_mode=1, split=split, softplus=True)
             if split < 8:

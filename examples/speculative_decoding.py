@@ -61,8 +61,13 @@ batched LAPACK kernels (the prefill's triangular solves) wait inside XLA:CPU's t
 pool, of a thread per device on a machine of fewer cores, which N devices waiting at once
 stall; with N devices the example refuses to start.
 
-On a GPU the decode step is also timed on a full batch: its wall time per step in the
-Python loop against the device's busy time per step from JAX's profiler trace
+The decode loop keeps the device busy: each step is enqueued from the step before's
+newest tokens on the device, before the host reads that step's tokens (copied to the
+host as soon as they are computed); the host's bookkeeping runs while the device
+computes, and a request that ends costs one dropped row of the next step.
+
+On a GPU the decode step is also timed on a full batch: its wall time per step in that
+loop against the device's busy time per step from JAX's profiler trace
 (`jax_kda.profiling`), the difference being the host's dispatch and waiting. On every
 device the step's time is set against its roofline: the bytes of weights one device
 reads per step (and the KDA states of a full batch, read and written) over the copy
@@ -80,7 +85,6 @@ import collections
 import dataclasses
 import functools
 import re
-import statistics
 import sys
 import time
 from typing import NamedTuple
@@ -373,9 +377,10 @@ def decode_step(model: Model, cache, last, slots, record_rows, *, config: ModelC
     """One speculative step for the batch. last: [B] each request's newest token, not yet
     seen by the target; slots, record_rows: [B] (padding rows: slot 0, record row -1).
 
-    Returns (cache, target [B, T], accepted [B], top [B, T]): target[b, :accepted[b]]
-    are request b's new tokens (along the accepted path, with a tree), top the top-1
-    logits of those decisions.
+    Returns (cache, target [B, T], accepted [B], top [B, T], last [B]): target[b,
+    :accepted[b]] are request b's new tokens (along the accepted path, with a tree), top
+    the top-1 logits of those decisions, last the newest of them: the next step's `last`,
+    on the device, so that a step can be enqueued before the host reads the one before.
     """
     tokens = draft(model, last, config)  # [B, T]
     parents = None
@@ -403,7 +408,8 @@ def decode_step(model: Model, cache, last, slots, record_rows, *, config: ModelC
     accept = functools.partial(jax_kda.accept, record_rows=record_rows, accepted=accepted,
                                config=config.kda, path=path)
     cache = accept(cache) if isinstance(cache, KdaCache) else [accept(c) for c in cache]
-    return cache, target, accepted, top
+    newest = jnp.take_along_axis(target, accepted[:, None] - 1, axis=1)[:, 0]
+    return cache, target, accepted, top, newest
 
 
 def prefill_step(model: Model, cache, prompts, lengths, resume, slots, record_rows, *,
@@ -517,13 +523,15 @@ class Engine:
             specs = model_specs(self.model), jax_kda.head_specs(self.cache, TP_AXIS)
             self.cache = place(self.cache, specs[1], mesh)
             prefill = tensor_parallel(prefill, mesh, specs, inputs=5, outputs=2)
-            decode = tensor_parallel(decode, mesh, specs, inputs=3, outputs=3)
+            decode = tensor_parallel(decode, mesh, specs, inputs=3, outputs=4)
         self._prefill_step, self.prefills = jax.jit(prefill, donate_argnums=1), {}
         tick = time.perf_counter()
         self._decode = jax.jit(decode, donate_argnums=1).lower(
             self.model, self.cache, np.zeros(batch, np.int32),
             *indices(np.full(batch, -1))).compile()
         self.decode_compile_s = time.perf_counter() - tick
+        self._decode_rows = self._decode.input_shardings[0][3:]
+        self._rows = (None, None)  # (live, its slots and record rows on the device)
 
     def all_reduces(self) -> int:
         """All-reduces in the compiled decode step (per step)."""
@@ -565,11 +573,17 @@ class Engine:
         return self.prefills[rows]
 
     def decode(self, last, live):
-        """One decode step of last [B] (live [B] bool; other rows are padding). Returns
-        (target [B, T], accepted [B], top [B, T]) as NumPy arrays, as `decode_step`."""
-        rows = np.where(live, np.arange(self.batch), -1)
-        self.cache, *results = self._decode(self.model, self.cache, last, *indices(rows))
-        return tuple(map(np.asarray, results))
+        """Enqueues one decode step of last [B] (NumPy, or the step before's `last` on the
+        device; live [B] bool, other rows are padding) and returns at once: (target [B,
+        T], accepted [B], top [B, T], last [B]) as `decode_step`, on the device, the first
+        three already on their way to the host."""
+        if self._rows[0] != tuple(live):  # the rows' slots change at admissions only
+            rows = np.where(live, np.arange(self.batch), -1)
+            self._rows = tuple(live), jax.device_put(indices(rows), self._decode_rows)
+        self.cache, *results = self._decode(self.model, self.cache, last, *self._rows[1])
+        for result in results[:3]:
+            result.copy_to_host_async()
+        return results
 
 
 @dataclasses.dataclass
@@ -589,12 +603,18 @@ class Run:
 
 def speculative_decode(engine: Engine, prompts, new_tokens: int, progress=None) -> Run:
     """Greedy speculative decoding of every prompt (token lists) to new_tokens tokens,
-    `engine.batch` requests at a time; progress(run) is called now and then if given."""
+    `engine.batch` requests at a time; progress(run) is called now and then if given.
+
+    The steps overlap the host: step n + 1 is enqueued (from step n's `last`, on the
+    device) before the host reads step n's tokens, so the host's reading and bookkeeping
+    run while the device computes. A request that ends at step n is still a row of step
+    n + 1, whose tokens for it are dropped; a freed row is refilled (a prefill, from the
+    tokens on the host) once the step in flight is read."""
     batch = engine.batch
     run = Run(tokens=[[] for _ in prompts], tops=[[] for _ in prompts])
     waiting = list(range(len(prompts)))[::-1]
     row_request = [None] * batch  # request in each batch row (slot row + 1, record row)
-    last = np.zeros(batch, np.int32)
+    last = np.zeros(batch, np.int32)  # each row's newest token, once the steps are read
     shown = time.perf_counter()
 
     def take(row, tokens, tops):
@@ -607,11 +627,25 @@ def speculative_decode(engine: Engine, prompts, new_tokens: int, progress=None) 
         if len(run.tokens[request]) == new_tokens:
             row_request[row] = None
 
+    def read(step):
+        """Takes the tokens of an enqueued step ((results, live)) for its rows' requests
+        that are still decoding."""
+        (target, accepted, top, _), live = step
+        target, accepted, top = np.asarray(target), np.asarray(accepted), np.asarray(top)
+        rows = [row for row in np.flatnonzero(live) if row_request[row] is not None]
+        run.steps += bool(rows)
+        run.row_steps += len(rows)
+        for row in rows:
+            n = accepted[row]
+            run.accepted += int(n)
+            take(row, target[row, :n], top[row, :n])
+
+    flight = None  # the step enqueued and not yet read
     while waiting or any(r is not None for r in row_request):
         admitted = [row for row in range(batch) if row_request[row] is None][:len(waiting)]
-        for row in admitted:
-            row_request[row] = waiting.pop()
-        if admitted:
+        if admitted and flight is None:
+            for row in admitted:
+                row_request[row] = waiting.pop()
             compiled, tick = engine.prefill_compile_s, time.perf_counter()
             first, top = engine.prefill([prompts[row_request[row]] if row in admitted else []
                                          for row in range(batch)])
@@ -619,44 +653,49 @@ def speculative_decode(engine: Engine, prompts, new_tokens: int, progress=None) 
             for row in admitted:
                 take(row, first[row:row + 1], top[row:row + 1])
             continue  # admit again if a one-token request finished already
-        live = np.array([r is not None for r in row_request])
         tick = time.perf_counter()
-        target, accepted, top = engine.decode(last, live)
+        if admitted:  # a row is free for a waiting request: read the last step first
+            read(flight)
+            flight = None
+        else:
+            live = np.array([r is not None for r in row_request])
+            results = engine.decode(last if flight is None else flight[0][3], live)
+            if flight is not None:
+                read(flight)
+            flight = results, live
         run.decode_s += time.perf_counter() - tick
-        run.steps += 1
-        run.row_steps += int(live.sum())
-        for row in np.flatnonzero(live):
-            n = accepted[row]
-            run.accepted += int(n)
-            take(row, target[row, :n], top[row, :n])
         if progress is not None and time.perf_counter() - shown > PROGRESS_SECONDS:
             shown = time.perf_counter()
             progress(run)
+    if flight is not None:  # its rows all ended at the step before; the device is done
+        jax.block_until_ready(flight[0])
     return run
 
 
 def time_decode(engine: Engine, prompts, steps: int):
-    """The decode step on a full batch (rows prefilled with prompts, cycled), `steps`
-    steps timed in the Python loop, then `steps` more under JAX's profiler.
+    """The decode step on a full batch (rows prefilled with prompts, cycled) as
+    `speculative_decode` runs it, each step enqueued before the one before is read:
+    `steps` steps timed, then `steps` more under JAX's profiler.
 
-    Returns (wall seconds per step, the median; `traced_steps`' dict of the device's
+    Returns (wall seconds per step, their mean; `traced_steps`' dict of the device's
     times per step).
     """
     live = np.ones(engine.batch, bool)
-    last, _ = engine.prefill([prompts[row % len(prompts)] for row in range(engine.batch)])
+    first, _ = engine.prefill([prompts[row % len(prompts)] for row in range(engine.batch)])
 
-    def step():
-        nonlocal last
-        target, accepted, _ = engine.decode(last, live)
-        last = target[np.arange(engine.batch), accepted - 1]
+    def decode():
+        flight = engine.decode(first, live)
+        for _ in range(steps - 1):
+            results = engine.decode(flight[3], live)
+            jax.tree.map(np.asarray, flight[:3])
+            flight = results
+        jax.tree.map(np.asarray, flight[:3])
 
-    walls = []
-    for _ in range(steps):
-        tick = time.perf_counter()
-        step()
-        walls.append(time.perf_counter() - tick)
-    traced = traced_steps(lambda: [step() for _ in range(steps)], steps)
-    return statistics.median(walls), traced
+    decode()  # the loop's own first dispatches
+    tick = time.perf_counter()
+    decode()
+    wall = (time.perf_counter() - tick) / steps
+    return wall, traced_steps(decode, steps)
 
 
 def step_bytes(engine: Engine) -> tuple[int, int]:
@@ -852,7 +891,7 @@ def decode_and_check(args, config: ModelConfig, model: Model, prompts, cache_eve
         made = sum(map(len, run.tokens))
         done = sum(len(tokens) == args.new_tokens for tokens in run.tokens)
         print(f"  step {run.steps}: {done}/{args.requests} requests done, {made} tokens, "
-              f"{run.accepted / run.row_steps:.2f} accepted per request-step, "
+              f"{run.accepted / max(run.row_steps, 1):.2f} accepted per request-step, "
               f"{made / (run.prefill_s + run.decode_s):.0f} tokens/s", flush=True)
 
     cached = dict(cache_events)
@@ -896,7 +935,7 @@ def decode_and_check(args, config: ModelConfig, model: Model, prompts, cache_eve
         wall, traced = time_decode(engine, prompts, TIMED_STEPS)
         if traced["steps"]:
             print(f"decode step, full batch of {args.batch}: wall {1e3 * wall:.3f} ms per step "
-                  f"(Python loop, median of {TIMED_STEPS}), GPU {1e-3 * traced['step_us']:.3f} "
+                  f"(the decode loop, mean of {TIMED_STEPS}), GPU {1e-3 * traced['step_us']:.3f} "
                   f"ms (profiler trace, first activity's start to last one's end, median; "
                   f"busy {1e-3 * traced['busy_us']:.3f} ms in {traced['kernels']:.0f} kernels and "
                   f"device copies)")

@@ -5,7 +5,14 @@ from __future__ import annotations
 
 import jax
 
-from jax_kda.config import CTA_SHARED_LIMIT, DEFAULT_SMS, SPLITS, KdaConfig
+from jax_kda.config import (CTA_RESERVED, CTA_SHARED_LIMIT, DEFAULT_SMS, SM_SHARED, SPLITS,
+                             KdaConfig)
+
+
+# From this many tokens a split-1 CTA that needs more than half an SM's shared memory
+# (alone on its SM) gives way to split 2: faster at T = 16, and T = 8 with 4 steps'
+# records (8-14% at B = 64); at T = 4 with 8 steps' records split 2 was 14-17% slower
+LONE_CTA_TOKENS = 8
 
 
 def sm_count(device=None) -> int:
@@ -38,10 +45,11 @@ def solo_ctas(config: KdaConfig, batch: int, split: int, sms: int | None = None)
 def kernel_split(config: KdaConfig, batch: int, sms: int | None = None) -> int:
     """The split the kernel runs `config` with at `batch` requests: config.split, or
     `choose_split`'s raised to the smallest whose CTA fits the shared memory
-    (`FusedLayout.shared_bytes`: long records need more), never one whose build spills
-    (`backends.spilling_build`: the largest below then). Raises ValueError, naming the
-    need, where the kernel does not take `config` (`backends.kernel_takes`) or no split
-    fits."""
+    (`FusedLayout.shared_bytes`: long records need more), at least 2 from
+    LONE_CTA_TOKENS tokens where a split-1 CTA would be alone on its SM, never one whose
+    build spills (`backends.spilling_build`: the largest below then). Raises ValueError,
+    naming the need, where the kernel does not take `config` (`backends.kernel_takes`)
+    or no split fits."""
     from jax_kda.backends import kernel_takes, spilling_build
     from jax_kda.kernels.fused_layout import FusedLayout
 
@@ -53,6 +61,9 @@ def kernel_split(config: KdaConfig, batch: int, sms: int | None = None) -> int:
         first = choose_split(batch * config.heads, sm_count() if sms is None else sms)
         unspilled = [s for s in SPLITS if not spilling_build(config, s)]
         candidates = [s for s in unspilled if s >= first] or unspilled[-1:]
+        lone = 2 * (FusedLayout(config, 1).shared_bytes() + CTA_RESERVED) > SM_SHARED
+        if lone and config.tokens >= LONE_CTA_TOKENS:
+            candidates = [s for s in candidates if s > 1] or candidates
     else:
         candidates = [config.split]
     for split in candidates:

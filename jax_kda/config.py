@@ -17,6 +17,7 @@ SPLITS = (1, 2, 4, 8)  # CTAs per (request, head) the kernel can run with
 MAX_TOKENS = 16  # tokens (chain or tree nodes) of one verify
 
 SM_SHARED = 228 * 1024  # shared memory of one Hopper SM
+CTA_RESERVED = 1024  # shared memory an SM keeps for each CTA resident on it
 CTA_SHARED_LIMIT = 227 * 1024  # dynamic shared memory one CTA may opt into on sm_90
 SOLO_SHARED = 120 * 1024  # more than half of SM_SHARED: no second CTA fits beside it
 DEFAULT_SMS = 132  # H100 SXM and H200, where a device does not report its count

@@ -294,11 +294,12 @@ def test_solo_ctas(heads, batch, split, expected):
 def test_solo_build_takes_an_sm():
     """The solo build asks for more than half an SM's shared memory (no second CTA
     fits), the default build for its own need only (two fit)."""
-    from jax_kda.config import SM_SHARED, SOLO_SHARED
+    from jax_kda.config import CTA_RESERVED, SM_SHARED, SOLO_SHARED
     from jax_kda.kernels.fused_layout import FusedLayout
 
     layout = FusedLayout(KdaConfig(heads=32, tokens=4), 1)
-    assert 2 * (layout.shared_bytes() + 1024) <= SM_SHARED < 2 * (SOLO_SHARED + 1024)
+    assert (2 * (layout.shared_bytes() + CTA_RESERVED) <= SM_SHARED
+            < 2 * (SOLO_SHARED + CTA_RESERVED))
 
 
 def test_kernel_split_fits_the_shared_memory():
@@ -311,6 +312,28 @@ def test_kernel_split_fits_the_shared_memory():
     with pytest.raises(ValueError, match=r"split=1 needs 2\d\d KiB of shared memory"):
         kernel_split(dataclasses.replace(long, split=1), 64)
     assert kernel_split(KdaConfig(heads=32, tokens=8), 64, sms=132) == 1
+
+
+def test_kernel_split_leaves_a_lone_cta_from_eight_tokens():
+    """Where a split-1 CTA needs more than half an SM's shared memory, split None takes
+    split 2 instead from LONE_CTA_TOKENS tokens (a tree or chain of 16, T = 8 with 4
+    steps' records) and keeps split 1 below (T = 4 with 8 steps' records); at B = 1 the
+    heuristic's larger split stands, and an explicit split 1 is taken."""
+    from jax_kda.config import CTA_RESERVED, SM_SHARED
+    from jax_kda.ffi.launch import LONE_CTA_TOKENS
+    from jax_kda.kernels.fused_layout import FusedLayout
+
+    for config, lone in [(KdaConfig(heads=32, tokens=16), True),
+                         (KdaConfig(heads=32, tokens=16, trees=True), True),
+                         (KdaConfig(heads=32, tokens=8, checkpoint_every=4), True),
+                         (KdaConfig(heads=32, tokens=4, checkpoint_every=8), False)]:
+        assert 2 * (FusedLayout(config, 1).shared_bytes() + CTA_RESERVED) > SM_SHARED
+        assert (config.tokens >= LONE_CTA_TOKENS) == lone
+        for batch in (16, 64):
+            assert choose_split(batch * 32, 132) == 1
+            assert kernel_split(config, batch, sms=132) == (2 if lone else 1)
+        assert kernel_split(config, 1, sms=132) == choose_split(32, 132)
+    assert kernel_split(KdaConfig(heads=32, tokens=16, split=1), 64, sms=132) == 1
 
 
 def test_eager_rejects_a_wrong_shape_before_any_launch():

@@ -8,10 +8,11 @@ tokens), the chunks' operands at the default config and the prompt's convolution
 Every T of 2..8, 12 and 16, gate mode and split, then the operand variants (no bias;
 bf16 conv and norm weights), the stacked-layer build, the lazy checkpoint
 (checkpoint_every 4), the token-tree build, a bf16 state and the softplus gate on one
-shape per split, checkpoint_every 2 and 8 at split 1, the tree build at T = 2, 8, 12 and
-16 on every split, a bf16 state at T = 8 and in a tree of 16 on every split, and the
-softplus gate at T = 8 on every split and in a tree of 16 on the splits it launches
-(`backends.spilling_build`); `--subset`: every split at tokens 2, 4 and 8.
+shape per split, checkpoint_every 2 and 8 at split 1 and 2 and 4 at T = 8 and split 2,
+the tree build at T = 2, 8, 12 and 16 on every split, a bf16 state at T = 8 and in a
+tree of 16 on every split, and the softplus gate at T = 8 on every split and in a tree
+of 16 on the splits it launches (`backends.spilling_build`); `--subset`: every split at
+tokens 2, 4 and 8.
 Configurations compile in N processes (default: one per CPU). The exit status is 1 if a
 configuration fails to compile or spills.
 """
@@ -70,6 +71,8 @@ def configurations(subset, only=()):
             yield dict(base, tokens=4, gate_mode=0, split=split, **variant)
         for every in (2, 8):  # the shortest and the longest records of split 1
             yield dict(base, tokens=4, gate_mode=0, split=1, checkpoint_every=every)
+        for every in (2, 4):  # T = 8's records past half an SM: split 2 (`kernel_split`)
+            yield dict(base, tokens=8, gate_mode=0, split=2, checkpoint_every=every)
         for T, split in itertools.product((2, 8, 12, 16), (1, 2, 4, 8)):
             yield dict(base, tokens=T, gate_mode=1, split=split, trees=True)
         for split in (1, 2, 4, 8):  # a bf16 state past one shape: two rows a thread, a tree

@@ -231,7 +231,8 @@ def test_parity_long_records_and_clamped_pending(split):
     run_episode(config, seed=32, pending_shift=-4)
 
 
-LAZY = [(4, 2, 1), (4, 2, 2), (2, 4, 1), (4, 4, 1), (4, 4, 4), (8, 2, 8), (3, 3, 2)]
+LAZY = [(4, 2, 1), (4, 2, 2), (2, 4, 1), (4, 4, 1), (4, 4, 4), (8, 2, 8), (3, 3, 2),
+        (8, 4, 2)]  # the last: the split `kernel_split` gives T = 8, C = 4 (a lone CTA at 1)
 
 
 @pytest.mark.parametrize("tokens,every,split", LAZY,

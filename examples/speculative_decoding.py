@@ -804,6 +804,9 @@ def parse_args(argv=None):
     parser.add_argument("--copy-bandwidth", type=float, default=None, metavar="GB/S",
                         help="the device's copy bandwidth (read + write) for the step's "
                              "roofline; default: measured by a device-to-device copy")
+    parser.add_argument("--prefill-piece", type=int, default=PREFILL_PIECE,
+                        help="a prompt's tokens per prefill call (rounded up to 16): a "
+                             "longer prompt resumes from the cache in the next call")
     parser.add_argument("--no-check", action="store_true",
                         help="skip the check against stock greedy decoding")
     parser.add_argument("--compile-cache", default=None, metavar="DIR",
@@ -813,7 +816,7 @@ def parse_args(argv=None):
                         help="compile everything afresh, caching nothing on disk")
     args = parser.parse_args(argv)
     for name in ("layers", "heads", "dim", "batch", "requests", "new_tokens", "max_prompt",
-                 "tp"):
+                 "tp", "prefill_piece"):
         value = getattr(args, name)
         if value < 1:
             parser.error(f"--{name.replace('_', '-')}: expected >= 1, got {value}")
@@ -896,7 +899,7 @@ def decode_and_check(args, config: ModelConfig, model: Model, prompts, cache_eve
 
     cached = dict(cache_events)
     engine = Engine(model, config, args.batch, args.max_prompt, args.backend, args.layer_list,
-                    args.tp)
+                    args.tp, args.prefill_piece)
     print(f"compile: decode step {engine.decode_compile_s:.1f} s (the prefill compiles at "
           f"its first use of each row count)", flush=True)
     if args.tp > 1:

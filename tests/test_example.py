@@ -133,6 +133,14 @@ def test_tensor_parallel_equals_stock_greedy(tmp_path):
     assert " ms at 100.0 GB/s (--copy-bandwidth); " in out, out
 
 
+def test_prefill_piece_flag():
+    """--prefill-piece 16: prompts of up to 40 tokens go in pieces of 16, the longer ones
+    resuming (pieces of 48 tokens without it), and the tokens are still greedy
+    decoding's."""
+    out = run_example("--max-prompt=40", "--prefill-piece=16", "--no-compile-cache")
+    assert "rows x 16 tokens)" in out and "check: OK" in out, out
+
+
 def test_a_second_run_starts_warm(tmp_path):
     """--compile-cache DIR: the first run compiles its steps and stores them there, the
     second loads every one of them."""

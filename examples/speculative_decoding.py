@@ -37,7 +37,9 @@ runs the same model the unstacked way for comparison: a Python list of per-layer
 and caches, one `fused_verify` and one `accept` per layer.
 
 Everything compiled is kept on disk (`jax_kda.enable_compile_cache`): a second run
-compiles nothing and says it started warm; `--no-compile-cache` compiles afresh.
+compiles nothing and says it started warm; `--no-compile-cache` compiles afresh. On a GPU
+the CuTe DSL kernels of the decode step and the prefill compile ahead, in parallel
+processes (`jax_kda.compile_kernels`).
 
 The proof: every generated token must be the token plain greedy decoding picks after
 the same prefix, with the whole model run over the sequence and every KDA layer the
@@ -526,9 +528,14 @@ class Engine:
             decode = tensor_parallel(decode, mesh, specs, inputs=3, outputs=4)
         self._prefill_step, self.prefills = jax.jit(prefill, donate_argnums=1), {}
         tick = time.perf_counter()
-        self._decode = jax.jit(decode, donate_argnums=1).lower(
-            self.model, self.cache, np.zeros(batch, np.int32),
-            *indices(np.full(batch, -1))).compile()
+        decode = jax.jit(decode, donate_argnums=1).trace(
+            self.model, self.cache, np.zeros(batch, np.int32), *indices(np.full(batch, -1)))
+        self.kernels = 0
+        if backend != "jax" and jax_kda.cutedsl_supported():
+            # the step's and the prefill's kernels, in parallel processes
+            self.kernels = jax_kda.compile_kernels(
+                decode, self._prefill_step.trace(*self._prefill_args(1)))
+        self._decode = decode.lower().compile()
         self.decode_compile_s = time.perf_counter() - tick
         self._decode_rows = self._decode.input_shardings[0][3:]
         self._rows = (None, None)  # (live, its slots and record rows on the device)
@@ -565,12 +572,15 @@ class Engine:
         """The prefill of `rows` rows, compiled at its first use."""
         if rows not in self.prefills:
             tick = time.perf_counter()
-            self.prefills[rows] = self._prefill_step.lower(
-                self.model, self.cache, np.zeros((rows, self.piece), np.int32),
-                np.zeros(rows, np.int32), np.zeros(rows, bool) if self.resumes else None,
-                *indices(np.full(rows, -1))).compile()
+            self.prefills[rows] = self._prefill_step.lower(*self._prefill_args(rows)).compile()
             self.prefill_compile_s += time.perf_counter() - tick
         return self.prefills[rows]
+
+    def _prefill_args(self, rows: int):
+        """The prefill's arguments at `rows` rows, as it is compiled."""
+        return (self.model, self.cache, np.zeros((rows, self.piece), np.int32),
+                np.zeros(rows, np.int32), np.zeros(rows, bool) if self.resumes else None,
+                *indices(np.full(rows, -1)))
 
     def decode(self, last, live):
         """Enqueues one decode step of last [B] (NumPy, or the step before's `last` on the
@@ -900,8 +910,10 @@ def decode_and_check(args, config: ModelConfig, model: Model, prompts, cache_eve
     cached = dict(cache_events)
     engine = Engine(model, config, args.batch, args.max_prompt, args.backend, args.layer_list,
                     args.tp, args.prefill_piece)
-    print(f"compile: decode step {engine.decode_compile_s:.1f} s (the prefill compiles at "
-          f"its first use of each row count)", flush=True)
+    kernels = (f", {engine.kernels} CuTe DSL kernels of both compiled ahead in parallel"
+               if engine.kernels else "")
+    print(f"compile: decode step {engine.decode_compile_s:.1f} s{kernels} (the prefill "
+          f"compiles at its first use of each row count)", flush=True)
     if args.tp > 1:
         state = engine.cache.state
         print(f"tensor parallel: {config.heads // args.tp} of {config.heads} heads on each of "

@@ -44,14 +44,15 @@ def _conv_abstract(x, history, weight, bias):
     return [x]  # y has x's shape, dtype and type
 
 
-def _conv_lowering(x, history, weight, bias):
+def _conv_kernel(*operands):
     from jax_kda.kernels import PromptConvolution
 
-    return lowering.launch(PromptConvolution(), (x, history, weight, bias),
-                           [jax.ShapeDtypeStruct(x.shape, jnp.bfloat16)])
+    return PromptConvolution()
 
 
-lowering.register_cuda_lowering(prompt_conv_p, _conv_lowering, "prefill")
+lowering.register_cuda_lowering(
+    prompt_conv_p, _conv_kernel,
+    lambda x, *_: [jax.ShapeDtypeStruct(x.shape, jnp.bfloat16)], "prefill")
 
 
 def cutedsl_chunk_operands(y, raw_g, beta, lengths, a_log, dt_bias, *, lower_bound: float,
@@ -87,15 +88,19 @@ def _operands_abstract(y, *inputs, lower_bound, scale):
             _operand_outputs(B, H, -(-P // CHUNK))]
 
 
-def _operands_lowering(y, *inputs, lower_bound, scale):
+def _operands_kernel(*operands, lower_bound, scale):
     from jax_kda.kernels import ChunkOperands
 
+    return ChunkOperands(lower_bound, scale)
+
+
+def _operands_outputs(y, *inputs, lower_bound, scale):
     B, P, _, H, _ = y.shape
-    return lowering.launch(ChunkOperands(lower_bound, scale), (y, *inputs),
-                           _operand_outputs(B, H, -(-P // CHUNK)))
+    return _operand_outputs(B, H, -(-P // CHUNK))
 
 
-lowering.register_cuda_lowering(chunk_operands_p, _operands_lowering, "prefill")
+lowering.register_cuda_lowering(chunk_operands_p, _operands_kernel, _operands_outputs,
+                                "prefill")
 
 
 def cutedsl_chunk_states(state, u_v, w_k, gq, tail, decay, bm):
@@ -114,13 +119,15 @@ def _states_abstract(u_v, w_k, gq, tail, decay, bm, state):
     return [w_k, state]  # o has w_k's type, the state after the chunks the state's
 
 
-def _states_lowering(u_v, w_k, gq, tail, decay, bm, state):
+def _states_kernel(u_v, w_k, *operands):
     from jax_kda.kernels import ChunkStates
 
-    outputs = (jax.ShapeDtypeStruct(w_k.shape, jnp.float32),
-               jax.ShapeDtypeStruct(state.shape, jnp.float32))
-    return lowering.launch(ChunkStates(w_k.shape[3]), (u_v, w_k, gq, tail, decay, bm, state),
-                           outputs)
+    return ChunkStates(w_k.shape[3])
 
 
-lowering.register_cuda_lowering(chunk_states_p, _states_lowering, "prefill")
+def _states_outputs(u_v, w_k, gq, tail, decay, bm, state):
+    return (jax.ShapeDtypeStruct(w_k.shape, jnp.float32),
+            jax.ShapeDtypeStruct(state.shape, jnp.float32))
+
+
+lowering.register_cuda_lowering(chunk_states_p, _states_kernel, _states_outputs, "prefill")

@@ -8,7 +8,8 @@ their bindings call, turns it off, and a hit there would still trace the kernel'
 Python. The binaries are kept here instead (`stored`): the object file that the custom
 call embeds (`jax_kda.ffi.lowering.for_xla`), one file per kernel key, read back by a
 later lowering without tracing or compiling anything. A program's JAX cache key holds
-its kernels' binaries, so the two caches hit together.
+its kernels' binaries, so the two caches hit together. `compile_kernels` builds a
+program's kernels ahead, in parallel processes, into the same store.
 
 The directory is trusted: what it holds is loaded as code. Keep it private.
 """
@@ -18,11 +19,16 @@ import functools
 import hashlib
 import os
 import pathlib
+import pickle
+import subprocess
+import sys
+import tempfile
 
 import jax
 from jax.experimental.compilation_cache import compilation_cache
 
 _kernels: pathlib.Path | None = None  # the kernels' binaries, while the cache is on
+_built: dict[str, bytes] = {}  # the binaries this process built, by key
 
 
 def default_directory() -> pathlib.Path:
@@ -50,19 +56,96 @@ def enable_compile_cache(path: str | os.PathLike | None = None) -> pathlib.Path:
 
 
 def stored(key: str, build) -> bytes:
-    """build()'s bytes, kept under `key` while the cache is on: read back where an
-    earlier build stored them, else built and stored (atomically: processes may share
-    the directory). Without the cache, build()."""
-    if _kernels is None:
-        return build()
-    file = _kernels / hashlib.sha256(key.encode()).hexdigest()
-    if file.is_file():
+    """build()'s bytes under `key`: those this process built or `compile_kernels` built
+    for it, else while the cache is on those an earlier build stored, else built now and
+    kept (on disk while the cache is on, written atomically: processes may share the
+    directory)."""
+    if key in _built:
+        return _built[key]
+    file = _file(key)
+    if file is not None and file.is_file():
         return file.read_bytes()
     data = build()
-    partial = file.with_name(f"{file.name}.{os.getpid()}.partial")
-    partial.write_bytes(data)
-    os.replace(partial, file)
+    _keep(key, data)
     return data
+
+
+def compile_kernels(*programs, processes: int | None = None) -> int:
+    """Compiles the CuTe DSL kernels that `programs` launch, in parallel processes, so
+    that their lowering compiles none: the kernels' compiles hold Python's lock, and a
+    prefill lowers three. programs: traced jitted functions (`jax.jit(f).trace(*args)`)
+    or their jaxprs, every platform's branch searched. processes: at most this many at
+    once (None: one a kernel, at most one a CPU). A kernel in the cache (on disk or
+    compiled by an earlier call) is not compiled again; the binaries go where `stored`
+    finds them, and to disk while the cache is on. Returns how many kernels compiled."""
+    if processes is not None and (not isinstance(processes, int) or processes < 1):
+        raise ValueError(f"processes: expected None or an int >= 1, got {processes!r}")
+    from jax_kda.ffi import lowering
+    from jax_kda.kernels import compiled
+
+    kernels = set()
+    for program in programs:
+        kernels |= lowering.kernels_called(getattr(program, "jaxpr", program))
+    todo = [kernel for kernel in kernels if not _holds(compiled(kernel,
+                                                                binding=lowering.binary_key))]
+    if not todo:
+        return 0
+    count = min(len(todo), processes or os.cpu_count() or 1)
+    # the children import what this process imported, from outside any source tree
+    path = os.pathsep.join(entry or os.getcwd() for entry in sys.path)
+    with tempfile.TemporaryDirectory() as folder:
+        jobs = []
+        for i in range(count):
+            job = pathlib.Path(folder) / str(i)
+            job.with_suffix(".in").write_bytes(pickle.dumps(todo[i::count]))
+            with open(job.with_suffix(".err"), "wb") as errors:
+                jobs.append((job, subprocess.Popen(
+                    [sys.executable, "-c", _CHILD, str(job)], stdout=subprocess.DEVNULL,
+                    stderr=errors, cwd=folder, env=dict(os.environ, PYTHONPATH=path))))
+        for job, child in jobs:
+            child.wait()
+        for job, child in jobs:
+            if child.returncode:
+                raise RuntimeError(f"compile_kernels: a kernel's compile failed "
+                                   f"(exit {child.returncode}):\n"
+                                   f"{job.with_suffix('.err').read_text()[-4000:]}")
+            for key, data in pickle.loads(job.with_suffix(".out").read_bytes()):
+                _keep(key, data)
+    return len(todo)
+
+
+_CHILD = "from jax_kda.compile_cache import _compile_job; _compile_job()"
+
+
+def _compile_job():
+    """A `compile_kernels` process: the kernels pickled in argv[1].in compiled, their
+    (key, binary) pairs pickled to argv[1].out."""
+    from jax_kda.ffi import lowering
+    from jax_kda.kernels import compiled
+
+    job = pathlib.Path(sys.argv[1])
+    kernels = pickle.loads(job.with_suffix(".in").read_bytes())
+    job.with_suffix(".out").write_bytes(pickle.dumps(
+        [compiled(kernel, binding=lowering.binary) for kernel in kernels]))
+
+
+def _file(key: str) -> pathlib.Path | None:
+    return None if _kernels is None else _kernels / hashlib.sha256(key.encode()).hexdigest()
+
+
+def _holds(key: str) -> bool:
+    file = _file(key)
+    return key in _built or (file is not None and file.is_file())
+
+
+def _keep(key: str, data: bytes) -> None:
+    """A binary kept for this process, and on disk while the cache is on."""
+    _built[key] = data
+    file = _file(key)
+    if file is not None:
+        partial = file.with_name(f"{file.name}.{os.getpid()}.partial")
+        partial.write_bytes(data)
+        os.replace(partial, file)
 
 
 @functools.lru_cache(maxsize=None)

@@ -89,3 +89,88 @@ def test_without_the_cache_everything_compiles(tmp_path):
     first, second = run("", "-30"), run("", "-30")
     assert first["kernels"] == second["kernels"] == 1
     assert first["hits"] == second["hits"] == second["misses"] == 0
+
+
+# In a fresh interpreter: `compile_kernels` on a prefill (the scan kernel alone, chunks of
+# 16) and a two-layer scan of verifies with backend "auto" (the kernel in the CUDA branch
+# of `platform_dependent` inside `lax.scan`), then both exported for CUDA. argv[1]: the
+# cache directory ("" for none), argv[2]: processes ("" for None). Prints the kernels
+# compiled ahead (twice: the second call finds them), the processes started, the
+# kernels this interpreter compiled itself, and the exported modules.
+AHEAD = r"""
+import functools, json, subprocess, sys
+import cutlass.cute
+import jax, jax.numpy as jnp
+import jax_kda
+from jax_kda import KdaConfig, PrefillInputs, VerifyInputs
+from jax_kda.testing import random_params
+
+compiles, children = [], []
+compile, popen = cutlass.cute.compile, subprocess.Popen
+cutlass.cute.compile = lambda *a, **k: compiles.append(1) or compile(*a, **k)
+subprocess.Popen = lambda *a, **k: children.append(1) or popen(*a, **k)
+if sys.argv[1]:
+    jax_kda.enable_compile_cache(sys.argv[1])
+B, P, H, L = 2, 40, 1, 2
+shape = lambda dtype, *s: jax.ShapeDtypeStruct(s, dtype)
+config = KdaConfig(heads=H, tokens=2, lower_bound=-30.0)
+params = jax.eval_shape(lambda: random_params(jax.random.key(0), config))
+cache = jax.eval_shape(lambda: jax_kda.init_cache(config, B + 1, B))
+inputs = PrefillInputs(shape(jnp.bfloat16, B, P, 3, H, 128), shape(jnp.bfloat16, B, P, 128),
+                       shape(jnp.bfloat16, B, P, H), shape(jnp.bfloat16, B, P, H, 128),
+                       *[shape(jnp.int32, B)] * 3)
+prefill = jax.jit(functools.partial(jax_kda.prefill, config=config, backend="cutedsl"))
+stacked = jax.eval_shape(lambda: random_params(jax.random.key(0), config, layers=L))
+layers = jax.eval_shape(lambda: jax_kda.init_cache(config, B + 1, B, layers=L))
+verify_inputs = VerifyInputs(shape(jnp.bfloat16, B, 2, 3, H, 128), shape(jnp.bfloat16, B, 2, 128),
+                             shape(jnp.bfloat16, B, 2, H), shape(jnp.bfloat16, B, 2, H, 128),
+                             shape(jnp.int32, B), shape(jnp.int32, B))
+
+def decode(params, cache, inputs):
+    def layer(cache, i):
+        out, cache = jax_kda.fused_verify(params, cache, inputs, config, layer=i)
+        return cache, out
+    return jax.lax.scan(layer, cache, jnp.arange(L, dtype=jnp.int32))
+
+programs = (prefill.trace(params, cache, inputs),
+            jax.jit(decode).trace(stacked, layers, verify_inputs))
+processes = int(sys.argv[2]) if sys.argv[2] else None
+ahead = [jax_kda.compile_kernels(*programs, processes=processes) for _ in range(2)]
+started = len(children)
+lowered = [program.lower(lowering_platforms=("cuda",)).as_text() for program in programs]
+print(json.dumps(dict(ahead=ahead, started=started, kernels=len(compiles),
+                      calls=sum(text.count("CuteDSLRT_NvJaxCutlassCall") for text in lowered))))
+"""
+
+
+def ahead(directory, processes):
+    result = subprocess.run([sys.executable, "-c", AHEAD, str(directory), str(processes)],
+                            capture_output=True, text=True, timeout=600,
+                            env=dict(os.environ, JAX_PLATFORMS="cpu"),
+                            cwd=tempfile.gettempdir())
+    assert result.returncode == 0, result.stderr[-4000:]
+    return json.loads(result.stdout.splitlines()[-1])
+
+
+@pytest.mark.parametrize("processes", ["", 1])
+def test_kernels_compiled_ahead_in_processes_are_not_compiled_again(tmp_path, processes):
+    first = ahead(tmp_path, processes)
+    # the scan kernel and the verify's, one process each unless processes=1
+    assert first["ahead"] == [2, 0] and first["started"] == (1 if processes == 1 else 2)
+    assert first["kernels"] == 0, "the lowering compiled a kernel compiled ahead"
+    assert first["calls"] >= 2
+    assert len(list((tmp_path / "kernels").iterdir())) == 2
+    second = ahead(tmp_path, processes)
+    assert second["ahead"] == [0, 0] and second["started"] == 0 and second["kernels"] == 0
+
+
+def test_kernels_compiled_ahead_without_the_cache():
+    result = ahead("", "")
+    assert result["ahead"] == [2, 0] and result["kernels"] == 0 and result["calls"] >= 2
+
+
+@pytest.mark.parametrize("processes", [0, -1, 1.5])
+def test_compile_kernels_refuses_a_bad_process_count(processes):
+    import jax_kda
+    with pytest.raises(ValueError, match="processes"):
+        jax_kda.compile_kernels(processes=processes)

@@ -78,6 +78,7 @@ def on_fakes(kernel: Kernel, arch: str, options: str):
 @functools.lru_cache(maxsize=None)
 def compiled(kernel: Kernel, options: str = "", arch: str = ARCH, binding=on_fakes):
     """`kernel` compiled once per (kernel, options, arch, binding) for `arch` by
-    `binding` (`on_fakes`, or `jax_kda.ffi.lowering.for_xla`); options: more CuTe DSL
+    `binding` (`on_fakes`, or `jax_kda.ffi.lowering`'s `for_xla`, `binary` and
+    `binary_key`, the custom call's object file and its cache key); options: more CuTe DSL
     compile options (e.g. "remarks{ptx}", ptxas' report)."""
     return binding(kernel, arch, f"--gpu-arch {arch} {options}".strip())

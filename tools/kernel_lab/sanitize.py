@@ -2,26 +2,52 @@
 kernel through the eager DLPack path on torch tensors, for each split, with every edge
 case in the batch (padding rows, no records, out-of-range slot and record row), then
 two steps of the stacked-layer kernel on a stacked cache, one in range and one with
-an out-of-range layer (every row padding); each with checkpoint_every 1, 2 and 4 (the
-record rows' kept counts spread over 0..RQ: verifies that keep and ones that write).
-The data is built on the CPU, so that the only GPU work is the kernel and the copies.
+an out-of-range layer (every row padding). Each case of CASES is a configuration and
+the checkpoint_every values it runs at (the record rows' kept counts spread over 0..RQ:
+verifies that keep and ones that write): chains of 4 and 16, trees of 8 and 16 (random
+trees, with out-of-range, non-topological and root parents in some rows) and a bf16
+state. The data is built on the CPU, so that the only GPU work is the kernel and the
+copies.
 
-    JAX_PLATFORMS=cpu compute-sanitizer --tool memcheck python tools/kernel_lab/sanitize.py [SPLIT ...]
+    JAX_PLATFORMS=cpu compute-sanitizer --tool memcheck python tools/kernel_lab/sanitize.py \
+        [CASE [SPLIT ...]]    (default: chain at splits 1, 2, 4, 8)
 """
+import dataclasses
 import sys
 
 import jax
+import jax.numpy as jnp
+import numpy as np
 import torch
 
 from jax_kda import KdaConfig
+from jax_kda.backends import spilling_build
 from jax_kda.ffi import eager_verify
-from jax_kda.testing import random_cache, random_inputs, random_params
+from jax_kda.testing import random_cache, random_inputs, random_params, random_parents
 import bench_path  # noqa: F401 - benchmarks/ on sys.path
 from peers import host_to_cuda
 
 SLOTS, RECORDS, LAYERS = 9, 7, 2
 SLOT_LIST = [3, 0, 5, SLOTS + 2, 1, 7]
 ROW_LIST = [2, 4, -1, 1, RECORDS + 1, 0]
+CASES = {  # name: (KdaConfig's values, checkpoint_every values)
+    "chain": (dict(tokens=4), (1, 2, 4)),
+    "chain16": (dict(tokens=16), (1,)),
+    "tree8": (dict(tokens=8, trees=True), (1,)),
+    "tree16": (dict(tokens=16, trees=True), (1,)),
+    "bf16": (dict(tokens=4, state_dtype=jnp.bfloat16), (1, 2)),
+}
+
+
+def parents_of(config, step):
+    """Random trees for the batch, with bad entries in two rows: out of range (past t,
+    negative), a node 0 that is not -1; None for a chain."""
+    if not config.trees:
+        return None
+    parents = np.array(random_parents(np.random.default_rng(step), len(SLOT_LIST),
+                                      config.tokens))
+    parents[0, 1], parents[0, -1], parents[4, 0] = config.tokens + 5, -7, 2
+    return jnp.asarray(parents)
 
 
 def steps(config, key, params, cache, layers):
@@ -31,8 +57,10 @@ def steps(config, key, params, cache, layers):
     first = cache.pending.clone()
     outs = []
     for step, layer in enumerate(layers):
-        inputs = host_to_cuda(torch, random_inputs(jax.random.fold_in(key, 2 + step), config,
-                                                   SLOT_LIST, ROW_LIST))
+        inputs = dataclasses.replace(
+            random_inputs(jax.random.fold_in(key, 2 + step), config, SLOT_LIST, ROW_LIST),
+            parents=parents_of(config, step))
+        inputs = host_to_cuda(torch, inputs)
         out = torch.full((len(SLOT_LIST), config.tokens, config.heads, 128), float("nan"),
                          dtype=torch.bfloat16, device="cuda")
         index = None if layer is None else torch.tensor([layer], dtype=torch.int32,
@@ -53,10 +81,14 @@ def cache_of(config, key, layers=None):
     return cache
 
 
-def main(splits):
-    for split, every in ((split, every) for split in splits for every in (1, 2, 4)):
-        config = KdaConfig(heads=2, tokens=4, split=split, checkpoint_every=every)
-        name = f"split {split}, checkpoint_every {every}"
+def main(case, splits):
+    values, everies = CASES[case]
+    for split, every in ((split, every) for split in splits for every in everies):
+        config = KdaConfig(heads=2, split=split, checkpoint_every=every, **values)
+        name = f"{case}, split {split}, checkpoint_every {every}"
+        if spilling_build(config, split):
+            print(f"{name}: not launched ({spilling_build(config, split)})", flush=True)
+            continue
         key = jax.random.key(split)
         params = host_to_cuda(torch, random_params(key, config))
         for out in steps(config, key, params, cache_of(config, key), [None, None]):
@@ -72,4 +104,5 @@ def main(splits):
 
 
 if __name__ == "__main__":
-    main([int(s) for s in sys.argv[1:]] or [1, 2, 4, 8])
+    main(sys.argv[1] if len(sys.argv) > 1 else "chain",
+         [int(s) for s in sys.argv[2:]] or [1, 2, 4, 8])

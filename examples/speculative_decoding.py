@@ -499,7 +499,9 @@ class Engine:
     cache in the next call (where max_prompt <= piece none does, and the prefill is
     compiled without `resume`). The prefill compiles once per row count, when first
     used (at most `len(self.prefill_shapes)`); the counters say what the calls
-    computed."""
+    computed. Where the kernels run, the decode step's and the prefill's kernels compile
+    first, in parallel processes (`jax_kda.compile_kernels`), from the decode step's
+    trace and the prefill's at a full batch's rows, which its first call then lowers."""
 
     def __init__(self, model: Model, config: ModelConfig, batch: int, max_prompt: int,
                  backend: str = "auto", layer_list: bool = False, tp: int = 1,
@@ -530,11 +532,13 @@ class Engine:
         tick = time.perf_counter()
         decode = jax.jit(decode, donate_argnums=1).trace(
             self.model, self.cache, np.zeros(batch, np.int32), *indices(np.full(batch, -1)))
-        self.kernels = 0
+        self.kernels, self._traced = 0, {}
         if backend != "jax" and jax_kda.cutedsl_supported():
-            # the step's and the prefill's kernels, in parallel processes
-            self.kernels = jax_kda.compile_kernels(
-                decode, self._prefill_step.trace(*self._prefill_args(1)))
+            # the step's and the prefill's kernels, in parallel processes; the prefill
+            # traced at the rows of a full batch's admission, its first call
+            rows = prefill_rows(batch, batch)
+            self._traced[rows] = self._prefill_step.trace(*self._prefill_args(rows))
+            self.kernels = jax_kda.compile_kernels(decode, self._traced[rows])
         self._decode = decode.lower().compile()
         self.decode_compile_s = time.perf_counter() - tick
         self._decode_rows = self._decode.input_shardings[0][3:]
@@ -572,7 +576,9 @@ class Engine:
         """The prefill of `rows` rows, compiled at its first use."""
         if rows not in self.prefills:
             tick = time.perf_counter()
-            self.prefills[rows] = self._prefill_step.lower(*self._prefill_args(rows)).compile()
+            traced = self._traced.pop(rows, None) or self._prefill_step.trace(
+                *self._prefill_args(rows))
+            self.prefills[rows] = traced.lower().compile()
             self.prefill_compile_s += time.perf_counter() - tick
         return self.prefills[rows]
 

@@ -74,6 +74,25 @@ def test_prefill_computes_the_admitted_pieces(decoded):
     assert set(engine.prefills) <= {1, 2} == set(engine.prefill_shapes)
 
 
+def test_kernels_compiled_ahead_and_the_first_prefill_traced_once(decoded, monkeypatch):
+    """Where the kernels run, the engine hands its decode step and its prefill, traced at
+    a full batch's rows, to `jax_kda.compile_kernels` and lowers that trace at the first
+    prefill of those rows; the run is the same (the kernels stand in for XLA here)."""
+    model, prompts, run, _ = decoded
+    handed = []
+    monkeypatch.setattr(example.jax_kda, "cutedsl_supported", lambda: True)
+    monkeypatch.setattr(example.jax_kda, "compile_kernels",
+                        lambda *programs: handed.extend(programs) or 3)
+    engine = example.Engine(model, CONFIG, batch=2, max_prompt=max(LENGTHS), backend="auto",
+                            piece=PIECE)  # "auto": XLA on the CPU
+    assert engine.kernels == 3 and len(handed) == 2
+    assert (2, PIECE) in [a.shape for a in handed[1].jaxpr.in_avals]  # the pieces
+    assert list(engine._traced) == [2]
+    again = example.speculative_decode(engine, prompts, NEW_TOKENS)
+    assert engine._traced == {} and 2 in engine.prefills
+    assert again.tokens == run.tokens
+
+
 @pytest.mark.parametrize("prompts, batch, compiled, rows", [
     (1, 1, (), 1), (3, 16, (), 4), (5, 16, (), 8), (9, 10, (), 10),
     (5, 16, (16,), 16), (3, 16, (16,), 4), (1, 4, (4,), 4), (2, 16, (1, 4, 16), 4)])

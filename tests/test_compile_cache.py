@@ -174,3 +174,41 @@ def test_compile_kernels_refuses_a_bad_process_count(processes):
     import jax_kda
     with pytest.raises(ValueError, match="processes"):
         jax_kda.compile_kernels(processes=processes)
+
+
+def test_kernels_called_finds_each_kernel_inside_shard_map_and_none_in_xla():
+    """`kernels_called` walks the jaxprs inside a program's equations (here shard_map's
+    and jit's): the verify's kernel of the config it runs, once however often called;
+    a program on the XLA backend launches none."""
+    import functools
+
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import PartitionSpec as P
+
+    import jax_kda
+    from jax_kda import KdaConfig, VerifyInputs
+    from jax_kda.ffi import lowering
+    from jax_kda.testing import random_params
+
+    config = KdaConfig(heads=2, tokens=2)
+    B = 3
+    shape = lambda dtype, *s: jax.ShapeDtypeStruct(s, dtype)
+    params = jax.eval_shape(lambda: random_params(jax.random.key(0), config))
+    cache = jax.eval_shape(lambda: jax_kda.init_cache(config, B + 1, B))
+    inputs = VerifyInputs(shape(jnp.bfloat16, B, 2, 3, 2, 128), shape(jnp.bfloat16, B, 2, 128),
+                          shape(jnp.bfloat16, B, 2, 2), shape(jnp.bfloat16, B, 2, 2, 128),
+                          shape(jnp.int32, B), shape(jnp.int32, B))
+    mesh = jax.make_mesh((1,), ("heads",))
+
+    def program(backend):
+        def twice(params, cache, inputs):
+            verify = functools.partial(jax_kda.fused_verify, config=config, backend=backend)
+            out, cache = verify(params, cache, inputs)
+            return verify(params, cache, inputs)
+        return jax.jit(jax.shard_map(twice, mesh=mesh, in_specs=P(), out_specs=P())).trace(
+            params, cache, inputs)
+
+    (kernel,) = lowering.kernels_called(program("cutedsl").jaxpr)
+    assert type(kernel).__name__ == "FusedVerify" and kernel.heads == 2 and kernel.tokens == 2
+    assert lowering.kernels_called(program("jax").jaxpr) == set()

@@ -68,6 +68,16 @@ def host_to_cuda(torch, tree):
     return jax.tree.map(move, tree)
 
 
+def cuda_to_host(torch, tree):
+    """`host_to_cuda`'s inverse: a pytree of torch tensors on the GPU as JAX arrays on the
+    host, bf16 through its bits."""
+    def move(tensor):
+        if tensor.dtype == torch.bfloat16:
+            return jnp.asarray(tensor.view(torch.int16).cpu().numpy().view(jnp.bfloat16))
+        return jnp.asarray(tensor.cpu().numpy())
+    return jax.tree.map(move, tree)
+
+
 def per_set(weights, sets: int):
     """`weights` (a pytree of torch tensors) and sets - 1 clones of it: one per operand
     set, so that a call finds its weights cold, as a model's layer does."""

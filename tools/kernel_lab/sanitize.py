@@ -7,12 +7,16 @@ the checkpoint_every values it runs at (the record rows' kept counts spread over
 verifies that keep and ones that write): chains of 4 and 16, trees of 8 and 16 (random
 trees, with out-of-range, non-topological and root parents in some rows) and a bf16
 state. The data is built on the CPU, so that the only GPU work is the kernel and the
-copies.
+copies. Every step's outputs are checked against the XLA backend's on the CPU on the same
+data and cache (`tests/compare.out_error`, the GPU tests' unit and tolerance): a NaN, a
+stale output or a wrong one fails the run, naming the step and the rows. Without
+compute-sanitizer the same command checks the kernels of every split in one process.
 
     JAX_PLATFORMS=cpu compute-sanitizer --tool memcheck python tools/kernel_lab/sanitize.py \
         [CASE [SPLIT ...]]    (default: chain at splits 1, 2, 4, 8)
 """
 import dataclasses
+import pathlib
 import sys
 
 import jax
@@ -20,12 +24,17 @@ import jax.numpy as jnp
 import numpy as np
 import torch
 
+import jax_kda
 from jax_kda import KdaConfig
 from jax_kda.backends import spilling_build
 from jax_kda.ffi import eager_verify
 from jax_kda.testing import random_cache, random_inputs, random_params, random_parents
 import bench_path  # noqa: F401 - benchmarks/ on sys.path
-from peers import host_to_cuda
+from peers import cuda_to_host, host_to_cuda
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2] / "tests"))
+from compare import out_error  # noqa: E402 - the GPU tests' unit of outputs
+from test_gpu import TOLERANCES  # noqa: E402
 
 SLOTS, RECORDS, LAYERS = 9, 7, 2
 SLOT_LIST = [3, 0, 5, SLOTS + 2, 1, 7]
@@ -51,24 +60,30 @@ def parents_of(config, step):
 
 
 def steps(config, key, params, cache, layers):
-    """One verify per entry of `layers` (None: unstacked) on the edge-case batch; returns
-    the outputs. Between steps pending goes back to its first counts, as an accept of
-    them would, so that the second step replays."""
+    """One verify per entry of `layers` (None: unstacked) on the edge-case batch, by the
+    kernel on `cache` (torch, on the GPU) and by the XLA backend on the CPU from the
+    kernel's cache read back before it, as the GPU tests check a step (the records' bf16
+    roundings do not compound). Between steps pending goes back to its first counts, as
+    an accept of them would, so that the second step replays. Returns (kernel's, XLA's)
+    outputs of each step, float32."""
     first = cache.pending.clone()
+    on_gpu = host_to_cuda(torch, params)
     outs = []
     for step, layer in enumerate(layers):
         inputs = dataclasses.replace(
             random_inputs(jax.random.fold_in(key, 2 + step), config, SLOT_LIST, ROW_LIST),
             parents=parents_of(config, step))
-        inputs = host_to_cuda(torch, inputs)
+        expected, _ = jax_kda.fused_verify(
+            params, cuda_to_host(torch, cache), inputs, config, backend="jax",
+            layer=None if layer is None else jnp.int32(layer))
         out = torch.full((len(SLOT_LIST), config.tokens, config.heads, 128), float("nan"),
                          dtype=torch.bfloat16, device="cuda")
         index = None if layer is None else torch.tensor([layer], dtype=torch.int32,
                                                         device="cuda")
-        eager_verify(params, cache, inputs, out, config, layer=index)
+        eager_verify(on_gpu, cache, host_to_cuda(torch, inputs), out, config, layer=index)
         torch.cuda.synchronize()
         cache.pending.copy_(first)
-        outs.append(out)
+        outs.append((out.float().cpu().numpy(), np.asarray(expected, np.float32)))
     return outs
 
 
@@ -81,6 +96,16 @@ def cache_of(config, key, layers=None):
     return cache
 
 
+def checked(name, outs):
+    """Fails where a step's outputs hold a NaN or stray from the XLA backend's beyond
+    the GPU tests' tolerance, naming the step and the rows."""
+    for step, (out, expected) in enumerate(outs):
+        rows = [b for b in range(len(out)) if not out_error(out[b], expected[b])
+                <= TOLERANCES["out"]]
+        assert not rows, (f"{name}, step {step}: rows {rows} off the XLA backend's outputs "
+                          f"(NaN in {int(np.isnan(out).sum())} of {out.size})")
+
+
 def main(case, splits):
     values, everies = CASES[case]
     for split, every in ((split, every) for split in splits for every in everies):
@@ -90,14 +115,13 @@ def main(case, splits):
             print(f"{name}: not launched ({spilling_build(config, split)})", flush=True)
             continue
         key = jax.random.key(split)
-        params = host_to_cuda(torch, random_params(key, config))
-        for out in steps(config, key, params, cache_of(config, key), [None, None]):
-            assert not torch.isnan(out).any(), f"{name}: an output was not written"
-        print(f"{name}: 2 steps ran, outputs written", flush=True)
-        params = host_to_cuda(torch, random_params(key, config, layers=LAYERS))
-        inside, outside = steps(config, key, params, cache_of(config, key, LAYERS),
-                                [LAYERS - 1, LAYERS + 3])
-        assert not torch.isnan(inside).any(), f"{name}: a stacked output was not written"
+        checked(name, steps(config, key, random_params(key, config), cache_of(config, key),
+                            [None, None]))
+        print(f"{name}: 2 steps ran, outputs match the XLA backend's", flush=True)
+        (inside, _), (outside, _) = outs = steps(
+            config, key, random_params(key, config, layers=LAYERS),
+            cache_of(config, key, LAYERS), [LAYERS - 1, LAYERS + 3])
+        checked(f"{name}, stacked", outs[:1])
         assert (outside == 0).all(), f"{name}: an out-of-range layer wrote outputs"
         print(f"{name}: stacked, layer {LAYERS - 1} and out-of-range layer {LAYERS + 3} ran",
               flush=True)

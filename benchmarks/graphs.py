@@ -1,16 +1,18 @@
 """The eager kernel's operand sets for one (B, T, split) point on the GPU and their time
 in CUDA graphs of back-to-back launches (`Point`): the harness of the lazy checkpoint's
 section, and of the kernel-study tools in tools/kernel_lab/."""
+import dataclasses
 import functools
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import torch
 
 import measure  # benchmarks/, on sys.path as the script's folder
 from jax_kda import KdaConfig, kernel_abi
 from jax_kda.ffi import solo_ctas
-from jax_kda.testing import random_cache, random_inputs, random_params
+from jax_kda.testing import random_cache, random_inputs, random_params, random_parents
 from peers import host_to_cuda
 
 H, LAUNCHES, REPLAYS = 32, 32, 10
@@ -28,28 +30,34 @@ def cute_tensors(arrays):
 
 class Point:
     """The operands of one (B, T, split) point on the GPU (checkpoint_every: the config's
-    lazy checkpoint): one cache set per launch of a graph (at least LAUNCHES, and enough
+    lazy checkpoint; trees: the tree build, each request a random tree; state_dtype: the
+    checkpoint's): one cache set per launch of a graph (at least LAUNCHES, and enough
     that the state comes from HBM), each cloned with its own copy of the weights, every
     request with a record row and a slot of its own. `named[i]`: set i's arrays by
     operand name; `sets[i]`: its CuTe DSL operands in `jax_kda.kernel_abi` order."""
 
-    def __init__(self, B, T, split, checkpoint_every=1):
+    def __init__(self, B, T, split, checkpoint_every=1, trees=False, state_dtype=jnp.float32):
         import cuda.bindings.driver as cuda
 
         self.config = KdaConfig(heads=H, tokens=T, split=split,
-                                checkpoint_every=checkpoint_every)
+                                checkpoint_every=checkpoint_every, trees=trees,
+                                state_dtype=state_dtype)
         self.solo = solo_ctas(self.config, B, split)  # the launch shape eager_verify picks
         key = jax.random.key(B)
         params = host_to_cuda(torch, random_params(key, self.config))
         slots, rows = np.arange(1, B + 1), np.arange(B)
-        self.nsets = max(LAUNCHES, -(-STATE_BYTES // (B * H * 128 * 128 * 4)))
+        state_bytes = B * H * 128 * 128 * self.config.state_dtype.itemsize
+        self.nsets = max(LAUNCHES, -(-STATE_BYTES // state_bytes))
         first = host_to_cuda(torch, random_cache(jax.random.fold_in(key, 1), self.config,
                                                  B + 1, B))
         self.caches = [first] + [jax.tree.map(torch.clone, first)
                                  for _ in range(self.nsets - 1)]
         self.pending = first.pending.clone()
-        inputs = host_to_cuda(torch, random_inputs(jax.random.fold_in(key, 99), self.config,
-                                                   slots, rows))
+        inputs = random_inputs(jax.random.fold_in(key, 99), self.config, slots, rows)
+        if trees:
+            inputs = dataclasses.replace(inputs, parents=random_parents(
+                np.random.default_rng(B), B, T))
+        inputs = host_to_cuda(torch, inputs)
         self.out = torch.empty((B, T, H, 128), dtype=torch.bfloat16, device="cuda")
         self.stream = torch.cuda.Stream()
         self.handle = cuda.CUstream(self.stream.cuda_stream)

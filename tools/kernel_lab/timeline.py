@@ -10,17 +10,19 @@ phase, the CTAs resident per SM, the share of the SMs' CTA slots busy and waitin
 launch, how often CTAs sharing an SM run their state passes together, and the kernel
 time of the same build without stamps, and writes every stamp to --out.
 
-    JAX_PLATFORMS=cpu python tools/kernel_lab/timeline.py [--out DIR] [--serial] [B,T,SPLIT[,C,N] ...]
+    JAX_PLATFORMS=cpu python tools/kernel_lab/timeline.py [--out DIR] [--serial] \
+        [B,T,SPLIT[,C,N][,tree][,bf16] ...]
 
 A point B,T,SPLIT,C,N runs the lazy checkpoint (checkpoint_every C) with every request
 holding N kept tokens: N + T <= C T is a keep step (the state read, not written).
+`tree` runs the tree build (each request a random tree), `bf16` a bf16 state.
 """
 import argparse
-import functools
 import json
 import pathlib
 import sys
 
+import jax.numpy as jnp
 import numpy as np
 import torch
 
@@ -33,8 +35,9 @@ from jax_kda.kernels.fused import STAMPS, Phase
 PHASE_NAMES = [phase.name.lower() for phase in Phase][1:]
 
 
-def run_point(B, T, split, serial=False, checkpoint_every=1, kept=None):
-    point = Point(B, T, split, checkpoint_every)
+def run_point(B, T, split, serial=False, checkpoint_every=1, kept=None, flags=()):
+    point = Point(B, T, split, checkpoint_every, trees="tree" in flags,
+                  state_dtype=jnp.bfloat16 if "bf16" in flags else jnp.float32)
     if kept is not None:
         point.hold(kept)
     stamps = torch.zeros((B * H * split, STAMPS), dtype=torch.int64, device="cuda")
@@ -108,14 +111,16 @@ def main():
         pathlib.Path(args.out).mkdir(parents=True, exist_ok=True)
     rows = []
     for point in args.points:
-        B, T, split, *lazy = (int(v) for v in point.split(","))
-        r = run_point(B, T, split, args.serial, *lazy)
-        rows.append(dict(B=B, T=T, split=split, lazy=lazy, us=r["us"],
+        values = point.split(",")
+        flags = [v for v in values if not v.isdigit()]
+        B, T, split, *lazy = (int(v) for v in values if v.isdigit())
+        r = run_point(B, T, split, args.serial, *lazy, flags=flags)
+        rows.append(dict(B=B, T=T, split=split, lazy=lazy + flags, us=r["us"],
                          us_stamped=r["us_stamped"],
                          **summarize(r["stamps"], r["us_stamped"]),
                          **neighbours(r["stamps"])))
         if args.out:
-            name = "_".join(str(v) for v in (B, T, split, *lazy))
+            name = "_".join(str(v) for v in (B, T, split, *lazy, *flags))
             np.save(pathlib.Path(args.out) / f"stamps_{name}.npy", r["stamps"])
         print(json.dumps(rows[-1]), flush=True)
     if args.out:

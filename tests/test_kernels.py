@@ -253,7 +253,8 @@ def test_chunk_kernel_compiles_once_for_every_prompt():
 def test_one_compile_per_kernel_key():
     """The compile cache is keyed by a kernel's compile-time values, not its identity:
     equal kernel objects share one binary, for the eager path and the custom call
-    alike, and another value compiles its own."""
+    alike, and another value compiles its own, its device function named by its own
+    symbol (which profilers and sanitizers show)."""
     from jax_kda.ffi import lowering
     from jax_kda.kernels import ChunkStates, compiled
 
@@ -263,6 +264,29 @@ def test_one_compile_per_kernel_key():
         first = compiled(ChunkStates(32), **binding)
         assert compiled(ChunkStates(32), **binding) is first
         assert compiled(ChunkStates(16), **binding) is not first
+    symbols = [kernel.symbol() for kernel in (ChunkStates(32), ChunkStates(16))]
+    assert symbols[0] != symbols[1] and all(s.startswith("kda_chunk_states_") for s in symbols)
+    for kernel, symbol, other in zip((ChunkStates(32), ChunkStates(16)), symbols,
+                                     symbols[::-1]):
+        module = compiled(kernel, binding=lowering.for_xla).module
+        assert symbol.encode() in module and other.encode() not in module
+
+
+def test_verify_symbols_name_the_build():
+    """Each verify build's symbol says its T, split, tree, state dtype and lazy
+    checkpoint, and no two builds share one."""
+    from jax_kda.kernels import FusedVerify
+
+    builds = [FusedVerify(KdaConfig(heads=2, tokens=16, trees=True), 2, True),
+              FusedVerify(KdaConfig(heads=2, tokens=4, state_dtype=jnp.bfloat16,
+                                    checkpoint_every=2), 1, True),
+              FusedVerify(KdaConfig(heads=2, tokens=4), 1, True),
+              FusedVerify(KdaConfig(heads=2, tokens=4), 1, False),
+              FusedVerify(KdaConfig(heads=2, tokens=4), 1, True, timeline=True)]
+    symbols = [build.symbol() for build in builds]
+    assert symbols[0].startswith("kda_verify_t16_split2_tree_")
+    assert symbols[1].startswith("kda_verify_t4_split1_bf16_state_keep2_")
+    assert symbols[2].startswith("kda_verify_t4_split1_") and len(set(symbols)) == len(symbols)
 
 
 def test_timeline_build_compiles():

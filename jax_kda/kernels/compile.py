@@ -5,14 +5,17 @@ A kernel object holds its compile-time values only and compares and hashes by th
 the sizes named by `kernel.dims` (B requests, P prompt tokens, H heads, ...): one shape
 contract, which both bindings compile for symbolic sizes, so one binary serves every
 batch and prompt. `compiled(kernel)` is the one cache: per kernel, options, arch and
-binding, compiled once. The binding says how the signature is compiled: `on_fakes`,
-CuTe DSL's fake tensors (16-byte aligned), for calls from Python on DLPack tensors (the
-eager path, the compile table); or the custom call's (`jax_kda.ffi.lowering.for_xla`).
-The arch is passed to each compile (`--gpu-arch`), never set in the environment.
+binding, compiled once, its device function named by `Kernel.symbol`. The binding says
+how the signature is compiled: `on_fakes`, CuTe DSL's fake tensors (16-byte aligned),
+for calls from Python on DLPack tensors (the eager path, the compile table); or the
+custom call's (`jax_kda.ffi.lowering.for_xla`). The arch is passed to each compile
+(`--gpu-arch`), never set in the environment.
 """
 from __future__ import annotations
 
 import functools
+import hashlib
+import re
 from typing import NamedTuple
 
 import cutlass.cute as cute
@@ -51,6 +54,16 @@ class Kernel:
     def signature(self, *sizes) -> Signature:
         raise NotImplementedError
 
+    def role(self) -> str:
+        """What the kernel does, for its `symbol`: its class's name in snake case."""
+        return re.sub(r"(?<!^)(?=[A-Z])", "_", type(self).__name__).lower()
+
+    def symbol(self) -> str:
+        """The kernel's name in its binary, as profilers and sanitizers show it: its
+        `role` and a digest of its `key`, so that no two builds share a name."""
+        digest = hashlib.sha256(repr(self.key()).encode()).hexdigest()[:8]
+        return f"kda_{self.role()}_{digest}"
+
     def __eq__(self, other):
         return type(self) is type(other) and self.key() == other.key()
 
@@ -81,4 +94,6 @@ def compiled(kernel: Kernel, options: str = "", arch: str = ARCH, binding=on_fak
     `binding` (`on_fakes`, or `jax_kda.ffi.lowering`'s `for_xla`, `binary` and
     `binary_key`, the custom call's object file and its cache key); options: more CuTe DSL
     compile options (e.g. "remarks{ptx}", ptxas' report)."""
+    type(kernel).kernel.set_name_prefix(kernel.symbol(), remove_cutlass_symbol=True,
+                                        keep_mangled_name=False)
     return binding(kernel, arch, f"--gpu-arch {arch} {options}".strip())

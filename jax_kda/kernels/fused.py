@@ -148,6 +148,13 @@ class FusedVerify(Kernel):
         return (self.config, self.split, self.has_bias, self.conv_dtype, self.norm_dtype,
                 self.timeline, self.solo, self.stacked)
 
+    def role(self):
+        """verify_t{T}_split{split}, then _tree, _bf16_state, _keep{C} where they hold."""
+        return "".join([f"verify_t{self.tokens}_split{self.split}",
+                        "_tree" if self.trees else "",
+                        "_bf16_state" if self.state_bytes == 2 else "",
+                        f"_keep{self.config.checkpoint_every}" if self.lazy else ""])
+
     @property
     def dims(self):
         """B requests, S slots, R record rows, L layers (stacked builds'); CTAS, the

@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 
 HOST_COPIES = ("MemcpyH2D", "MemcpyD2H")  # the trace's names of host <-> device copies
+OURS = "kda_"  # how jax_kda's kernels' names begin (`jax_kda.kernels.Kernel.symbol`)
 
 
 class Kernel(NamedTuple):
@@ -40,9 +41,11 @@ def traced_steps(run: Callable[[], object], steps: int | None = None, *,
     the step's first start to its last end; busy_us, the time some activity of the
     step ran (the span less its idle gaps); kernel_us, an activity's duration; gap_us,
     the gap from one activity's end to the next one's start (negative where they
-    overlapped); besides steps (how many), kernels (per step) and names (the four
-    commonest activity names and their counts). Without GPU activity (e.g. on a CPU):
-    {"steps": 0, "names": {}}.
+    overlapped); ours_us, the summed durations of jax_kda's own kernels in the step
+    (named `OURS`...), the library's share of it; besides steps (how many), kernels and
+    ours (activities per step, all and jax_kda's) and names (the four commonest activity
+    names and their counts). Without GPU activity (e.g. on a CPU): {"steps": 0,
+    "names": {}}.
     """
     if (steps is None) == (split is None):
         raise ValueError(f"traced_steps: give exactly one of steps and split, got {steps=}, "
@@ -68,7 +71,10 @@ def traced_steps(run: Callable[[], object], steps: int | None = None, *,
         "busy_us": _median([us(_busy_ns(g)) for g in groups]),
         "kernel_us": _median([us(k.end_ns - k.start_ns) for g in groups for k in g]),
         "gap_us": _median(gaps),
+        "ours_us": _median([us(sum(k.end_ns - k.start_ns for k in g if k.name.startswith(OURS)))
+                            for g in groups]),
         "kernels": _median([len(g) for g in groups]),
+        "ours": _median([sum(k.name.startswith(OURS) for k in g) for g in groups]),
         "names": dict(collections.Counter(k.name for k in kernels).most_common(4)),
     }
 

@@ -70,7 +70,9 @@ computes, and a request that ends costs one dropped row of the next step.
 
 On a GPU the decode step is also timed on a full batch: its wall time per step in that
 loop against the device's busy time per step from JAX's profiler trace
-(`jax_kda.profiling`), the difference being the host's dispatch and waiting. On every
+(`jax_kda.profiling`), the difference being the host's dispatch and waiting; that
+batch's prefill is traced too, and both say how much of their GPU time jax-kda's own
+kernels took. On every
 device the step's time is set against its roofline: the bytes of weights one device
 reads per step (and the KDA states of a full batch, read and written) over the copy
 bandwidth, measured in the same process by a device-to-device copy
@@ -691,13 +693,25 @@ def speculative_decode(engine: Engine, prompts, new_tokens: int, progress=None) 
 def time_decode(engine: Engine, prompts, steps: int):
     """The decode step on a full batch (rows prefilled with prompts, cycled) as
     `speculative_decode` runs it, each step enqueued before the one before is read:
-    `steps` steps timed, then `steps` more under JAX's profiler.
+    `steps` steps timed, then `steps` more under JAX's profiler; the full batch's
+    prefill under the profiler too.
 
     Returns (wall seconds per step, their mean; `traced_steps`' dict of the device's
-    times per step).
+    times per step; its dict of the prefill's calls as one step, with the calls, the
+    positions they computed and the prompt tokens among them).
     """
     live = np.ones(engine.batch, bool)
-    first, _ = engine.prefill([prompts[row % len(prompts)] for row in range(engine.batch)])
+    texts = [prompts[row % len(prompts)] for row in range(engine.batch)]
+    calls, positions = engine.prefill_calls, engine.prefill_positions
+    first = None
+
+    def prefill():
+        nonlocal first
+        first, _ = engine.prefill(texts)
+
+    prefilled = traced_steps(prefill, 1)
+    prefilled.update(calls=engine.prefill_calls - calls, tokens=sum(map(len, texts)),
+                     positions=engine.prefill_positions - positions)
 
     def decode():
         flight = engine.decode(first, live)
@@ -711,7 +725,7 @@ def time_decode(engine: Engine, prompts, steps: int):
     tick = time.perf_counter()
     decode()
     wall = (time.perf_counter() - tick) / steps
-    return wall, traced_steps(decode, steps)
+    return wall, traced_steps(decode, steps), prefilled
 
 
 def step_bytes(engine: Engine) -> tuple[int, int]:
@@ -953,7 +967,13 @@ def decode_and_check(args, config: ModelConfig, model: Model, prompts, cache_eve
     print(f"throughput: {made} new tokens in {total:.2f} s, {made / total:.0f} tokens/s")
     step_s, timed = run.decode_s / run.steps, "the run's mean"
     if jax.default_backend() == "gpu":
-        wall, traced = time_decode(engine, prompts, TIMED_STEPS)
+        wall, traced, prefilled = time_decode(engine, prompts, TIMED_STEPS)
+        if prefilled["steps"]:
+            print(f"prefill, full batch: {prefilled['tokens']} prompt tokens "
+                  f"({prefilled['positions']} positions) in {prefilled['calls']} calls, GPU "
+                  f"busy {1e-3 * prefilled['busy_us']:.1f} ms, of which jax-kda's "
+                  f"{prefilled['ours']:.0f} kernels {1e-3 * prefilled['ours_us']:.1f} ms "
+                  f"(the KDA layers' gate projection and norm are XLA's, outside them)")
         if traced["steps"]:
             print(f"decode step, full batch of {args.batch}: wall {1e3 * wall:.3f} ms per step "
                   f"(the decode loop, mean of {TIMED_STEPS}), GPU {1e-3 * traced['step_us']:.3f} "

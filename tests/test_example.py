@@ -93,6 +93,19 @@ def test_kernels_compiled_ahead_and_the_first_prefill_traced_once(decoded, monke
     assert again.tokens == run.tokens
 
 
+def test_time_decode_traces_the_full_batch_prefill(decoded):
+    """The GPU report's timing: a full batch prefilled (prompts cycled) and counted, then
+    the decode steps; on the CPU the profiler traces no GPU activity."""
+    model, prompts, _, _ = decoded
+    engine = example.Engine(model, CONFIG, batch=2, max_prompt=max(LENGTHS), backend="jax",
+                            piece=PIECE)
+    wall, traced, prefilled = example.time_decode(engine, prompts, 2)
+    assert wall > 0 and traced["steps"] == 0 and prefilled["steps"] == 0
+    assert prefilled["tokens"] == LENGTHS[0] + LENGTHS[1]
+    assert prefilled["calls"] == engine.prefill_calls == -(-LENGTHS[1] // PIECE)
+    assert prefilled["positions"] == engine.prefill_positions >= prefilled["tokens"]
+
+
 @pytest.mark.parametrize("prompts, batch, compiled, rows", [
     (1, 1, (), 1), (3, 16, (), 4), (5, 16, (), 8), (9, 10, (), 10),
     (5, 16, (16,), 16), (3, 16, (16,), 4), (1, 4, (4,), 4), (2, 16, (1, 4, 16), 4)])

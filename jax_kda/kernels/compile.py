@@ -59,8 +59,8 @@ class Kernel:
         return re.sub(r"(?<!^)(?=[A-Z])", "_", type(self).__name__).lower()
 
     def symbol(self) -> str:
-        """The kernel's name in its binary, as profilers and sanitizers show it: its
-        `role` and a digest of its `key`, so that no two builds share a name."""
+        """How the kernel's name in its binary begins, as profilers and sanitizers show
+        it: its `role` and a digest of its `key`, so that no two builds share a name."""
         digest = hashlib.sha256(repr(self.key()).encode()).hexdigest()[:8]
         return f"kda_{self.role()}_{digest}"
 
@@ -94,6 +94,8 @@ def compiled(kernel: Kernel, options: str = "", arch: str = ARCH, binding=on_fak
     `binding` (`on_fakes`, or `jax_kda.ffi.lowering`'s `for_xla`, `binary` and
     `binary_key`, the custom call's object file and its cache key); options: more CuTe DSL
     compile options (e.g. "remarks{ptx}", ptxas' report)."""
+    # the DSL's mangled name kept after the symbol: without it ptxas spilled the tree
+    # builds of 16 nodes at gate_mode 1, splits 1 and 2 (16-168 bytes)
     type(kernel).kernel.set_name_prefix(kernel.symbol(), remove_cutlass_symbol=True,
-                                        keep_mangled_name=False)
+                                        keep_mangled_name=True)
     return binding(kernel, arch, f"--gpu-arch {arch} {options}".strip())

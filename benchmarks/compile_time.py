@@ -112,7 +112,9 @@ def one(args) -> dict:
     row.update({f"decode_{k}": v for k, v in times.items()})
     if args.form == "dynamic":
         example.forward = stacked_forward
-        fresh = lambda: jax.tree.map(jnp.copy, cache)  # noqa: E731 - the step donates it
+        def fresh():  # a copy of the cache: the step donates it
+            return jax.tree.map(jnp.copy, cache)
+
         stacked = jax.jit(functools.partial(example.decode_step, config=config,
                                             backend="auto"))
         row["same_tokens"] = bool(np.array_equal(

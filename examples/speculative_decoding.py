@@ -72,10 +72,9 @@ On a GPU the decode step is also timed on a full batch: its wall time per step i
 loop against the device's busy time per step from JAX's profiler trace
 (`jax_kda.profiling`), the difference being the host's dispatch and waiting; that
 batch's prefill is traced too, and both say how much of their GPU time jax-kda's own
-kernels took. On every
-device the step's time is set against its roofline: the bytes of weights one device
-reads per step (and the KDA states of a full batch, read and written) over the copy
-bandwidth, measured in the same process by a device-to-device copy
+kernels took. On every device the step's time is set against its roofline: the bytes of
+weights one device reads per step (and the KDA states of a full batch, read and written)
+over the copy bandwidth, measured in the same process by a device-to-device copy
 (`jax_kda.profiling.copy_bandwidth`) or given by `--copy-bandwidth`.
 
     python examples/speculative_decoding.py                       # small, CPU, < 1 minute

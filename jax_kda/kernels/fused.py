@@ -984,10 +984,11 @@ class FusedVerify(Kernel):
                 gamma = d if t == 0 else gamma * d
             xvec[t, channel] = gamma * ks[t]
             xvec[T + t, channel] = gamma * qs[t]
-        d = [decays[t, channel] for t in range(T)]
         if cutlass.const_expr(self.trees and T > BATCHED_TREE_TOKENS):
-            self.pairs_node_by_node(ks, qs, d, ancestors, pairs, lane, warp)
+            # the decays read where used: held in registers, tree-16 builds spill
+            self.pairs_node_by_node(ks, qs, decays, channel, ancestors, pairs, lane, warp)
         else:
+            d = [decays[t, channel] for t in range(T)]
             pairs_in_order = [("A", t, s) for t in range(T) for s in range(t)] + [
                 ("B", t, s) for t in range(T) for s in range(t + 1)]
             for first in cutlass.range_constexpr(0, NP, 32):  # 32 pairs per warp_totals
@@ -1010,15 +1011,25 @@ class FusedVerify(Kernel):
         return term
 
     @cute.jit
-    def pairs_node_by_node(self, ks, qs, d, ancestors, pairs, lane, warp):
+    def pairs_node_by_node(self, ks, qs, decays, channel, ancestors, pairs, lane, warp):
         """A large tree's pair products: per node t its 2t + 1 terms (A_ts, s < t, then
         B_ts, s <= t) in one warp reduction, so that t's path's factors die with them
-        (`token_vectors`' batches across nodes spill there)."""
+        (`token_vectors`' batches across nodes spill there). P(s, t) is the suffix
+        product of t's path factors down from t, f_{s+1} (f_{s+2} (... f_t)), one
+        product more than P(s + 1, t): T^2 / 2 products where `pair_term`'s, in token
+        order from k_s, take T^3 / 6. k_s P(s, t) is 0 off t's path (a select: a bad
+        branch's NaN stays in it)."""
         T: cutlass.Constexpr = self.tokens
         for t in cutlass.range_constexpr(T):
-            terms = [self.pair_term(ks, qs, d, ancestors, kind, t, s)
-                     for kind, s in [("A", s) for s in range(t)] + [("B", s)
-                                                                    for s in range(t + 1)]]
+            weighted = [ks[t]] * (t + 1)  # k_s P(s, t)
+            suffix = decays[t, channel]  # P(t - 1, t)
+            for s in cutlass.range_constexpr(t - 1, -1, -1):
+                weighted[s] = cutlass.select_(self.on_path(ancestors, t, s), ks[s] * suffix,
+                                              Float32(0.0))
+                if cutlass.const_expr(s > 0):
+                    suffix = suffix * self.path_factor(ancestors, t, s, decays[s, channel])
+            terms = [weighted[s] * ks[t] for s in range(t)] + [
+                weighted[s] * qs[t] for s in range(t + 1)]
             total, index, holds = warp_totals(terms, lane)
             slot = cutlass.select_(index < t, pair_index(T, t, 0, "A") + index,
                                    pair_index(T, t, 0, "B") + index - t)

@@ -103,19 +103,24 @@ lowering.register_cuda_lowering(chunk_operands_p, _operands_kernel, _operands_ou
                                 "prefill")
 
 
-def cutedsl_chunk_states(state, u_v, w_k, gq, tail, decay, bm):
+def cutedsl_chunk_states(state, u_v, w_k, gq, tail, decay, bm, lengths=None):
     """(state after the chunks [B, H, K, K], o [B, H, N, C, K] FP32) from the chunk
     operands of `jax_kda.prompt_chunks.recurrence` (u_v, w_k, gq, tail [B, H, N, C, K],
-    decay [B, H, N, K], bm [B, H, N, C, C]) and the starting state, all FP32: the twin
-    of `jax_kda.prompt_chunks.scan_chunks`."""
-    if 0 in w_k.shape[:3]:  # no request or no chunk: nothing to launch
+    decay [B, H, N, K], bm [B, H, N, C, C]) and the starting state, all FP32, and
+    lengths [B] int32 (each request's tokens: its chunks from ceil(length / C) on are
+    neither read nor written, o there undefined; None: every chunk): the twin of
+    `jax_kda.prompt_chunks.scan_chunks`."""
+    B, _, N, C, _ = w_k.shape
+    if 0 in (B, N, w_k.shape[1]):  # no request or no chunk: nothing to launch
         return state, jnp.zeros(w_k.shape, jnp.float32)
-    o, state = chunk_states_p.bind(u_v, w_k, gq, tail, decay, bm, state)
+    lengths = jnp.full((B,), N * C) if lengths is None else lengths
+    o, state = chunk_states_p.bind(u_v, w_k, gq, tail, decay, bm, state,
+                                   lengths.astype(jnp.int32))
     return state, o
 
 
 @chunk_states_p.def_abstract_eval
-def _states_abstract(u_v, w_k, gq, tail, decay, bm, state):
+def _states_abstract(u_v, w_k, gq, tail, decay, bm, state, lengths):
     return [w_k, state]  # o has w_k's type, the state after the chunks the state's
 
 
@@ -125,7 +130,7 @@ def _states_kernel(u_v, w_k, *operands):
     return ChunkStates(w_k.shape[3])
 
 
-def _states_outputs(u_v, w_k, gq, tail, decay, bm, state):
+def _states_outputs(u_v, w_k, gq, tail, decay, bm, state, lengths):
     return (jax.ShapeDtypeStruct(w_k.shape, jnp.float32),
             jax.ShapeDtypeStruct(state.shape, jnp.float32))
 

@@ -105,25 +105,35 @@ def block_pair_products(q, k, d, block):
             jnp.where(lower_mask(C), Bm, 0.0))
 
 
-def scan_chunks(state, u_v, w_k, gq, tail, decay, bm, *, unroll: int = 4):
+def live_chunks(lengths, chunk: int):
+    """Each request's chunks that hold its tokens, ceil(lengths / chunk) [B] (lengths
+    clamped below at 0): the chunks after them are identities, which the scans skip."""
+    return (jnp.maximum(lengths, 0) + chunk - 1) // chunk
+
+
+def scan_chunks(state, u_v, w_k, gq, tail, decay, bm, lengths=None, *, unroll: int = 4):
     """The chunks in order from `state`, in XLA: (state after them [B, H, K, K],
     o [B, H, N, C, K] FP32) from u_v, w_k, gq, tail [B, H, N, C, K], decay [B, H, N, K]
     and bm [B, H, N, C, C] (`through_chunks`; the CuTe DSL kernel
-    `jax_kda.ffi.cutedsl_chunk_states` is its twin). unroll: scan steps per loop trip (a
-    GPU's while loop returns to the host every trip)."""
+    `jax_kda.ffi.cutedsl_chunk_states` is its twin). lengths [B] int32: each request's
+    tokens; its chunks past them do not reach its state, whatever they hold (o there is
+    undefined); None: every chunk counts. unroll: scan steps per loop trip (a GPU's
+    while loop returns to the host every trip)."""
+    B, _, N, C, _ = w_k.shape
+    live = jnp.full((B,), N) if lengths is None else live_chunks(lengths, C)
 
     def step(S, operands):
-        u_v, w_k, gq, tail, decay = operands
+        u_v, w_k, gq, tail, decay, n = operands
         u = u_v - mm("...tc,...rc->...tr", w_k, S)
         inter = mm("...tc,...rc->...tr", gq, S)
-        S = S * decay[..., None, :] + mm("...tr,...tc->...rc", u, tail)
+        advanced = S * decay[..., None, :] + mm("...tr,...tc->...rc", u, tail)
+        S = jnp.where((n < live)[:, None, None, None], advanced, S)
         return S, (u, inter)
 
     per_chunk = lambda a: jnp.moveaxis(a, 2, 0)  # the scan's leading axis
-    N = w_k.shape[2]
-    state, (u, inter) = jax.lax.scan(step, state, tuple(map(per_chunk, (u_v, w_k, gq, tail,
-                                                                         decay))),
-                                     unroll=max(1, min(unroll, N)))
+    state, (u, inter) = jax.lax.scan(
+        step, state, tuple(map(per_chunk, (u_v, w_k, gq, tail, decay))) + (jnp.arange(N),),
+        unroll=max(1, min(unroll, N)))
     u, inter = jnp.moveaxis(u, 0, 2), jnp.moveaxis(inter, 0, 2)
     return state, inter + lower_product(bm, u, SUBCHUNK)
 
@@ -169,12 +179,14 @@ def chunk_operands(q, k, v, beta, d, *, lower_bound: float | None, chunk: int | 
     return Operands(solved[..., :K], solved[..., K:], gamma * q, tail, gamma[..., -1, :], Bm)
 
 
-def through_chunks(state, operands: Operands, length: int, *, scan=scan_chunks):
-    """The prompt from `state` through its chunk operands: (state after it [B, H, K, K],
-    o [B, H, length, K] bf16 values). scan: `scan_chunks` or its kernel."""
-    state, o = scan(state, *operands)
+def through_chunks(state, operands: Operands, lengths, tokens: int, *, scan=scan_chunks):
+    """The prompts from `state` through their chunk operands: (state after them
+    [B, H, K, K], o [B, H, tokens, K] bf16 values, undefined past each prompt's length).
+    lengths [B]: the prompts' tokens (`scan_chunks`); tokens: P. scan: `scan_chunks` or
+    its kernel."""
+    state, o = scan(state, *operands, lengths)
     B, H, N, C, K = o.shape
-    return state, round_bf16(o).reshape(B, H, N * C, K)[:, :, :length]
+    return state, round_bf16(o).reshape(B, H, N * C, K)[:, :, :tokens]
 
 
 def chunk_size(lower_bound: float | None) -> int:

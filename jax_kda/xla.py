@@ -46,4 +46,5 @@ def prompt_recurrence(state, replay: Replay, params: KdaParams, prompt: Prompt,
     config) and scan: the two stages, XLA's or their kernels'."""
     state = wy.replay(state, replay.u, replay.kn, replay.d)
     P = prompt.beta.shape[1]
-    return prompt_chunks.through_chunks(state, operands(params, prompt, config), P, scan=scan)
+    return prompt_chunks.through_chunks(state, operands(params, prompt, config), prompt.lengths,
+                                        P, scan=scan)

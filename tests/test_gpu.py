@@ -629,23 +629,35 @@ def test_batched_ieee_math_gives_the_ieee_bits():
 @pytest.mark.parametrize("chunk", (16, 32, 64))
 def test_chunk_kernel_matches_the_xla_scan(chunk):
     """The prefill's scan over chunks, the CuTe DSL kernel against `scan_chunks` on the
-    CPU: random operands, 6 chunks of 2 requests x 3 heads; the state after them and o
-    within 2e-5 of the largest entry (the kernel's products are split TF32, each within
-    2^-20 of its value: about 8e-6 measured against float64), none of them NaN."""
+    CPU: random operands, 6 chunks of 3 requests x 3 heads, of 6 chunks' tokens, 2 and a
+    part, and none, NaN in every chunk past a request's tokens (which neither scan may
+    read); the state after them and o of the live chunks within 2e-5 of the largest
+    entry (the kernel's products are split TF32, each within 2^-20 of its value: about
+    8e-6 measured against float64), none of them NaN."""
     rng = np.random.default_rng(chunk)
-    B, H, N, K = 2, 3, 6, 128
-    normal = lambda *shape, scale=1.0: jnp.asarray(scale * rng.standard_normal(shape),
-                                                   jnp.float32)
+    B, H, N, K = 3, 3, 6, 128
+    lengths = np.array([N * chunk, 2 * chunk + 5, 0], np.int32)
+    dead = np.arange(N)[None, :] >= -(-lengths[:, None] // chunk)  # [B, N]
+
+    def normal(*shape, scale=1.0):
+        values = scale * rng.standard_normal(shape)
+        if len(shape) > 4:  # a chunk's operand: NaN past the request's tokens
+            values[np.broadcast_to(dead[:, None], shape[:3])] = np.nan
+        return jnp.asarray(values, jnp.float32)
+
+    decay = rng.uniform(0.5, 1.0, (B, H, N, K))
+    decay[np.broadcast_to(dead[:, None], (B, H, N))] = np.nan
     operands = (normal(B, H, K, K), normal(B, H, N, chunk, K),
                 normal(B, H, N, chunk, K, scale=0.1), normal(B, H, N, chunk, K),
-                normal(B, H, N, chunk, K, scale=0.1),
-                jnp.asarray(rng.uniform(0.5, 1.0, (B, H, N, K)), jnp.float32),
-                jnp.tril(normal(B, H, N, chunk, chunk)))
+                normal(B, H, N, chunk, K, scale=0.1), jnp.asarray(decay, jnp.float32),
+                jnp.tril(normal(B, H, N, chunk, chunk)), jnp.asarray(lengths))
     got = jax.jit(cutedsl_chunk_states)(*operands)
     expected = jax.jit(scan_chunks)(*jax.device_put(operands, CPU))
-    for name, a, e in zip(("state", "o"), got, expected):
+    live = np.broadcast_to(~dead[:, None], (B, H, N))
+    for name, a, e in (("state", got[0], expected[0]),
+                       ("o", np.asarray(got[1])[live], np.asarray(expected[1])[live])):
         a, e = np.asarray(a), np.asarray(e)
-        assert np.all(np.isfinite(a)), name
+        assert np.all(np.isfinite(a)) and np.all(np.isfinite(e)), name
         assert np.max(np.abs(a - e)) <= 2e-5 * np.max(np.abs(e)), name
 
 
@@ -653,11 +665,12 @@ def test_chunk_operands_kernel_matches_xla():
     """The prefill's chunk operands, the CuTe DSL kernel on the layer's token-major
     tensors against `prompt_chunks.chunk_operands` of `prefill.token_vectors` on the
     CPU: 2 prompts of 200 tokens x 3 heads (a ragged last chunk, the second request
-    ending at 137 with NaN past it). Each within 1e-5 of its largest entry (FP32 in
-    another order: the kernel's decays and norms, forward substitution where XLA
-    multiplies by blocked inverses; 5e-5 for the solve's u_v and w_k, whose (I + N)^-1
-    amplifies the roundings by its condition), none NaN; Bm exactly 0 above the
-    diagonal."""
+    ending at 137 with NaN past it), compared on the chunks that hold tokens (the kernel
+    does not write a chunk wholly past its request's: no scan reads it). Each within
+    1e-5 of its largest entry (FP32 in another order: the kernel's decays and norms,
+    forward substitution where XLA multiplies by blocked inverses; 5e-5 for the solve's
+    u_v and w_k, whose (I + N)^-1 amplifies the roundings by its condition), none NaN;
+    Bm exactly 0 above the diagonal."""
     from jax_kda.ffi import cutedsl_chunk_operands
     from jax_kda.layer import Prompt, token_vectors
     from jax_kda.prompt_chunks import chunk_operands
@@ -685,16 +698,19 @@ def test_chunk_operands_kernel_matches_xla():
                                                    lower_bound=config.lower_bound))(
         *jax.device_put((params, f32), CPU))
     errors = {}
+    live = np.arange(-(-P // 64))[None, :] < -(-lengths[:, None] // 64)  # [B, N]
+    in_live = lambda a: np.moveaxis(np.asarray(a), 1, 2)[live]  # [live chunks, H, ...]
     for name, a, e in zip(expected._fields, got, expected):
-        a, e = np.asarray(a), np.asarray(e)
-        assert a.shape == e.shape and np.all(np.isfinite(a)), name
+        assert a.shape == e.shape, name
+        a, e = in_live(a), in_live(e)
+        assert np.all(np.isfinite(a)), name
         errors[name] = float(np.max(np.abs(a - e)) / np.max(np.abs(e)))
     log("chunk_operands", "xla", errors)
     print(errors)
     allowed = {"u_v": 5e-5, "w_k": 5e-5}
     assert all(error <= allowed.get(name, 1e-5) for name, error in errors.items()), errors
     upper = np.triu(np.ones((64, 64), bool), 1)
-    assert np.all(np.asarray(got.bm)[..., upper] == 0.0)
+    assert np.all(in_live(got.bm)[..., upper] == 0.0)
 
 
 @pytest.mark.parametrize("conv_dtype,conv_bias", [(jnp.float32, True), (jnp.bfloat16, False)],

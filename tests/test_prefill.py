@@ -12,6 +12,7 @@ import pytest
 import numpy_model
 from compare import assert_out_close, assert_same_bits, assert_scaled_close
 from jax_kda import KdaConfig, PrefillInputs, accept, flush, fused_verify, prefill
+from jax_kda.prompt_chunks import scan_chunks
 from jax_kda.triangular import unit_lower_inverse
 from jax_kda.ref import stock_prefill
 from prompts import random_prompts
@@ -229,6 +230,33 @@ def test_unit_lower_inverse_matches_float64(size, kind):
     exact = np.linalg.inv(np.eye(size) + N)
     assert np.all(np.isfinite(got))
     assert np.max(np.abs(got - exact)) <= 1e-5 * np.max(np.abs(exact))
+
+
+def test_scan_skips_the_chunks_past_each_prompt():
+    """`scan_chunks` with lengths: NaN in every chunk past a request's tokens (4 chunks
+    of 16: 64 tokens, 17, 16 and none) reaches no state, and each request's state and
+    live outputs are the scan's of its live chunks alone (within 1e-6 of the largest
+    entry: a dot of another batch may sum in another order); without lengths the NaN
+    reaches them."""
+    rng = np.random.default_rng(3)
+    B, H, N, C, K = 4, 2, 4, 16, 128
+    lengths = np.array([64, 17, 16, 0])
+    live = -(-lengths // C)
+    normal = lambda *shape: rng.standard_normal(shape).astype(np.float32)
+    operands = [normal(B, H, N, C, K) for _ in range(4)] + [
+        rng.uniform(0.5, 1.0, (B, H, N, K)).astype(np.float32), normal(B, H, N, C, C)]
+    for b, n in enumerate(live):
+        for a in operands:
+            a[b, :, n:] = np.nan
+    state = normal(B, H, K, K)
+    got_state, got_o = jax.jit(scan_chunks)(state, *operands, jnp.asarray(lengths))
+    for b, n in enumerate(live):
+        alone_state, alone_o = jax.jit(scan_chunks)(state[b:b + 1],
+                                                    *[a[b:b + 1, :, :n] for a in operands])
+        assert_scaled_close(got_state[b], alone_state[0], 1e-6, f"state {b}")
+        assert_scaled_close(got_o[b, :, :n], alone_o[0], 1e-6, f"o {b}")
+    assert np.all(np.isfinite(got_state))
+    assert not np.all(np.isfinite(jax.jit(scan_chunks)(state, *operands)[0]))
 
 
 @pytest.mark.parametrize("width,slots", [(0, [2, 4]), (6, [])], ids=["no-tokens", "no-rows"])

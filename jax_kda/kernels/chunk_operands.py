@@ -71,7 +71,8 @@ class ChunkOperands(Kernel):
         [B, P, H, K] bf16, beta [B, P, H] bf16 logits, lengths [B] int32, a_log [H] f32,
         dt_bias [H, K] f32; outputs u_v, w_k, gq, tail [B, H, N, C, K], decay
         [B, H, N, K], bm [B, H, N, C, C], all f32 (`ChunkStates.signature`'s inputs), for
-        N = ceil(P / C) chunks."""
+        N = ceil(P / C) chunks; a chunk wholly past its request's length is not
+        written."""
         tokens = (B, H, N, CHUNK, K)
         return Signature(
             (((B, P, 3, H, K), "bfloat16"), ((B, P, H, K), "bfloat16"),
@@ -114,20 +115,21 @@ class ChunkOperands(Kernel):
         item = (wide(request) * heads + head) * cute.arch.grid_dim()[0] + chunk
         smem = allocate(cutlass.memory.SmemAllocator(), self.buffers())
         first = chunk * CHUNK
-        self.stage(smem, y, raw_g, request, head, heads, first, prompt, tid)
         length = cutlass.max(cutlass.min(load_if(lengths, request, True), prompt), Int32(0))
         live = length - first  # tokens t < live are the prompt's, the rest identities
-        self.zero_upper_tiles(bm, item, tid)
-        cute.arch.cp_async_wait_group(0)
-        cute.arch.barrier()
-        self.norms_and_betas(smem, beta, request, head, heads, first, prompt, live, tid)
-        decayed = self.decays(smem, a_log, dt_bias, head, live, tid)
-        cute.arch.barrier()
-        self.vectors(smem, decayed, gq, tail, decay, item, live, tid)
-        cute.arch.barrier()
-        self.pairs(smem, bm, item, tid)
-        cute.arch.barrier()
-        self.solve(smem, u_v, w_k, item, live, tid)
+        if live > 0:  # a chunk wholly past the prompt is left unwritten: no scan reads it
+            self.stage(smem, y, raw_g, request, head, heads, first, prompt, tid)
+            self.zero_upper_tiles(bm, item, tid)
+            cute.arch.cp_async_wait_group(0)
+            cute.arch.barrier()
+            self.norms_and_betas(smem, beta, request, head, heads, first, prompt, live, tid)
+            decayed = self.decays(smem, a_log, dt_bias, head, live, tid)
+            cute.arch.barrier()
+            self.vectors(smem, decayed, gq, tail, decay, item, live, tid)
+            cute.arch.barrier()
+            self.pairs(smem, bm, item, tid)
+            cute.arch.barrier()
+            self.solve(smem, u_v, w_k, item, live, tid)
 
     @cute.jit
     def stage(self, smem, y, raw_g, request, head, heads, first, prompt, tid):

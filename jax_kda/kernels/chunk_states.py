@@ -30,8 +30,9 @@ from cutlass import Float32, Int32
 
 from jax_kda.config import K
 from jax_kda.kernels.compile import Kernel, Signature
-from jax_kda.kernels.primitives import (allocate, load_vec, mma_3xtf32, split_tf32,
-                                        stage_rows, store_vec, strided_rows, wide)
+from jax_kda.kernels.primitives import (allocate, load_if, load_vec, mma_3xtf32,
+                                        split_tf32, stage_rows, store_vec, strided_rows,
+                                        wide)
 
 THREADS = 256  # two sides of 4 warps: one warp of each side per scheduler
 SIDE = 128
@@ -68,13 +69,14 @@ class ChunkStates(Kernel):
         return (self.chunk,)
 
     def signature(self, B, H, N):
-        """The operands for B requests, H heads and N chunks, all FP32 and row-major:
-        inputs u_v, w_k, gq, tail [B, H, N, C, K], decay [B, H, N, K], bm
-        [B, H, N, C, C], state [B, H, K, K]; outputs o [B, H, N, C, K], state_out
-        [B, H, K, K]."""
+        """The operands for B requests, H heads and N chunks, row-major: inputs u_v, w_k,
+        gq, tail [B, H, N, C, K], decay [B, H, N, K], bm [B, H, N, C, C], state
+        [B, H, K, K] (FP32) and lengths [B] (int32: each request's tokens; its chunks
+        from ceil(length / C) on are neither read nor written); outputs o
+        [B, H, N, C, K], state_out [B, H, K, K] (FP32)."""
         tokens, state = (B, H, N, self.chunk, K), (B, H, K, K)
         inputs = [tokens] * 4 + [(B, H, N, K), (B, H, N, self.chunk, self.chunk), state]
-        return Signature(tuple((shape, "float32") for shape in inputs),
+        return Signature(tuple((shape, "float32") for shape in inputs) + (((B,), "int32"),),
                          ((tokens, "float32"), (state, "float32")))
 
     def buffers(self):
@@ -91,15 +93,17 @@ class ChunkStates(Kernel):
     @cute.jit
     def __call__(self, stream: cuda.CUstream, u_v: cute.Tensor, w_k: cute.Tensor,
                  gq: cute.Tensor, tail: cute.Tensor, decay: cute.Tensor, bm: cute.Tensor,
-                 state: cute.Tensor, o: cute.Tensor, state_out: cute.Tensor):
+                 state: cute.Tensor, lengths: cute.Tensor, o: cute.Tensor,
+                 state_out: cute.Tensor):
         self.kernel(u_v.iterator, w_k.iterator, gq.iterator, tail.iterator, decay.iterator,
-                    bm.iterator, state.iterator, o.iterator, state_out.iterator,
-                    Int32(w_k.shape[2])).launch(
+                    bm.iterator, state.iterator, lengths.iterator, o.iterator,
+                    state_out.iterator, Int32(w_k.shape[2])).launch(
             grid=(K // ROWS, state.shape[1], state.shape[0]), block=(THREADS, 1, 1),
             stream=stream)
 
     @cute.kernel
-    def kernel(self, u_v, w_k, gq, tail, decay, bm, state, o, state_out, chunks: Int32):
+    def kernel(self, u_v, w_k, gq, tail, decay, bm, state, lengths, o, state_out,
+               chunks: Int32):
         tid, _, _ = cute.arch.thread_idx()
         block, head, request = cute.arch.block_idx()
         side, warp, lane = tid // SIDE, tid // 32 % 4, tid % 32
@@ -108,9 +112,13 @@ class ChunkStates(Kernel):
         smem = allocate(cutlass.memory.SmemAllocator(), self.buffers())
         rows = self.load_state(state, smem, item, first, side, warp, lane)
         operands = (u_v, w_k, gq, tail, decay, bm)
-        self.stage_products(smem, operands, item * chunks, first, tid)
-        self.stage_updates(smem, operands, item * chunks, tid)
-        for n in cutlass.range(chunks):
+        # the chunks up to the request's last token; those after it are identities
+        live = cutlass.min((cutlass.max(load_if(lengths, request, True), Int32(0))
+                            + self.chunk - 1) // self.chunk, chunks)
+        if live > 0:
+            self.stage_products(smem, operands, item * chunks, first, tid)
+            self.stage_updates(smem, operands, item * chunks, tid)
+        for n in cutlass.range(live):
             cute.arch.cp_async_wait_group(1)  # this chunk's products' operands
             cute.arch.barrier()
             dots = cute.make_rmem_tensor((ROWS // 8, 4), Float32)
@@ -120,14 +128,14 @@ class ChunkStates(Kernel):
                     self.corrections(smem, dots, warp, lane)
             cute.arch.cp_async_wait_group(0)  # and its updates'
             cute.arch.barrier()
-            if n + 1 < chunks:  # the next chunk's products' operands, while this one ends
+            if n + 1 < live:  # the next chunk's products' operands, while this one ends
                 self.stage_products(smem, operands, item * chunks + n + 1, first, tid)
             if (side == 1) & (warp < self.chunk // 16):
                 self.output(smem, dots, o, (item * chunks + n) * self.chunk, first, warp,
                             lane)
             self.advance(smem, rows, side, warp, lane)
             cute.arch.barrier()
-            if n + 1 < chunks:
+            if n + 1 < live:
                 self.stage_updates(smem, operands, item * chunks + n + 1, tid)
         for nb, h in self.state_tiles():
             row, key = self.state_entry(nb, h, side, warp, lane)

@@ -11,8 +11,8 @@ bf16 conv and norm weights), the stacked-layer build, the lazy checkpoint
 shape per split, checkpoint_every 2 and 8 at split 1 and 2 and 4 at T = 8 and split 2,
 the tree build at T = 2, 8, 12 and 16 on every split, a bf16 state at T = 8 and in a
 tree of 16 on every split, and the softplus gate at T = 8 on every split and in a tree
-of 16 on the splits it launches (`backends.spilling_build`); `--subset`: every split at
-tokens 2, 4 and 8.
+of 16: each but the builds the launch never takes (`backends.spilling_build`);
+`--subset`: every split at tokens 2, 4 and 8.
 Configurations compile in N processes (default: one per CPU). The exit status is 1 if a
 configuration fails to compile or spills.
 """
@@ -79,22 +79,33 @@ def configurations(subset, only=()):
             yield dict(base, tokens=8, gate_mode=1, split=split, state_dtype="bfloat16")
             yield dict(base, tokens=16, gate_mode=1, split=split, trees=True,
                        state_dtype="bfloat16")
-        for split in (1, 2, 4, 8):  # a softplus tree of 16 spills at split 8: not launched
+        for split in (1, 2, 4, 8):
             yield dict(base, tokens=8, gate_mode=1, split=split, softplus=True)
-            if split < 8:
-                yield dict(base, tokens=16, gate_mode=1, split=split, trees=True,
-                           softplus=True)
+            yield dict(base, tokens=16, gate_mode=1, split=split, trees=True, softplus=True)
+
+
+def launched(heads, c) -> bool:
+    """Whether the launch may take the configuration (`backends.spilling_build`)."""
+    from jax_kda.backends import spilling_build
+
+    return spilling_build(config_of(heads, c), c["split"]) is None
+
+
+def config_of(heads, c):
+    """The `KdaConfig` of a configuration of the table."""
+    from jax_kda.config import KdaConfig
+
+    return KdaConfig(heads=heads, tokens=c["tokens"], gate_mode=c["gate_mode"],
+                     checkpoint_every=c["checkpoint_every"], trees=c["trees"],
+                     state_dtype=c["state_dtype"],
+                     **({"lower_bound": None} if c["softplus"] else {}))
 
 
 def compile_one(arch, heads, c):
     """One row of the table: (configuration, regs, local bytes, smem, seconds, status)."""
-    from jax_kda.config import KdaConfig
     from jax_kda.kernels import FusedVerify
 
-    config = KdaConfig(heads=heads, tokens=c["tokens"], gate_mode=c["gate_mode"],
-                       checkpoint_every=c["checkpoint_every"], trees=c["trees"],
-                       state_dtype=c["state_dtype"],
-                       **({"lower_bound": None} if c["softplus"] else {}))
+    config = config_of(heads, c)
     return (c, *measured(arch, lambda: FusedVerify(
         config, c["split"], c["has_bias"], conv_dtype=c["conv_dtype"],
         norm_dtype=c["norm_dtype"], stacked=c["stacked"])))
@@ -159,7 +170,8 @@ def main(argv=None):
           f"{'local':>5} {'smem':>6} {'secs':>5}  status",
           flush=True)
     failed = 0
-    work = list(configurations(args.subset, args.only))
+    work = [c for c in configurations(args.subset, args.only)
+            if args.only or launched(args.heads, c)]
     with concurrent.futures.ProcessPoolExecutor(max(1, min(args.jobs, len(work)))) as pool:
         for c, regs, local, smem, seconds, status in pool.map(
                 compile_one, [args.arch] * len(work), [args.heads] * len(work), work):

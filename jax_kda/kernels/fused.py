@@ -791,15 +791,6 @@ class FusedVerify(Kernel):
         return cutlass.select_(j >= 0, order[cutlass.max(j, Int32(0))] + 3, j + 3)
 
     @cute.jit
-    def path_input(self, x_in, seq, part, channel, node):
-        """The raw input of `node` (>= -3: positions before node 0 are history[node + 3])
-        for the channel: x_in's row, or seq's history entries."""
-        x = Float32(x_in[cutlass.max(node, Int32(0)), part, channel])
-        history = cutlass.select_(node == -1, seq[2],
-                                  cutlass.select_(node == -2, seq[1], seq[0]))
-        return cutlass.select_(node >= 0, x, history)
-
-    @cute.jit
     def convolve(self, smem, taps, bias, n, base, tid):
         """The short convolution and SiLU of this thread's channel: q and k (section 0,
         rows 0 and 1; sums of squares per warp into norm_sums) or v (section 1, row 0;
@@ -807,7 +798,7 @@ class FusedVerify(Kernel):
         inputs x_in. The history is window[n .. n+2] (a tree build's: the kept path's
         last three inputs, `history_position`); the channel's new window [history,
         x_0 .. x_{T-1}] replaces positions base .. base + T + 2 in place. A tree node's
-        taps read its path (`path_input`). Returns the activations."""
+        taps read its path's inputs there. Returns the activations."""
         T: cutlass.Constexpr = self.tokens
         window, x_in, parents = smem.window, smem.x_in, smem.parents
         history = [n + i for i in range(3)]
@@ -835,7 +826,9 @@ class FusedVerify(Kernel):
                             up = path[-1]
                             above = parents[cutlass.max(up, Int32(0))]
                             path.append(cutlass.select_(up >= 0, above, up - 1))
-                        inputs = [self.path_input(x_in, seq, part, channel, path[2 - i])
+                        # node u's raw input at window position base + 3 + u, just
+                        # written, the history's too (u = -3 .. -1)
+                        inputs = [Float32(window[part, channel, base + 3 + path[2 - i]])
                                   for i in range(3)] + [seq[t + 3]]
                     y = bias[s]
                     for i in cutlass.range_constexpr(4):  # rounded products, as the stock loop

@@ -10,7 +10,7 @@ reference on the same tree (the largest error, in bf16 units of the row's scale)
 Each row: form (chain, tree, chain-xla, tree-xla), B, T, us (the GPU's time of a call:
 the span of its activities in JAX's profiler trace, median), backend, or error. Alone:
 
-    python benchmarks/trees.py --json trees.json [--points 1x8,16x8,...]
+    python benchmarks/trees.py --json trees.json [--points 1x8,16x8,...] [--forms chain,tree]
 """
 from __future__ import annotations
 
@@ -78,11 +78,11 @@ def timed(form: str, B: int, T: int) -> dict:
 def run(args) -> list:
     rows = []
     for T in sorted({T for _, T in args.points}):
-        for backend in ("auto", "jax"):
+        for backend in sorted({FORMS[form][0] for form in args.forms}):
             measure.emit(rows, dict(form="check", T=T, backend=backend,
                                     tree_vs_stock_bf16_units=check(T, backend)), args.json)
     for B, T in args.points:
-        for form in FORMS:
+        for form in args.forms:
             try:
                 row = timed(form, B, T)
             except Exception as error:  # a point that cannot run says why and the rest go on
@@ -96,7 +96,19 @@ def parse(argv):
     parser = measure.section_parser(__doc__)
     parser.add_argument("--points", type=measure.points, default=list(POINTS),
                         help="BxT points (default 1x8,16x8,64x8,1x16,16x16,64x16)")
+    parser.add_argument("--forms", type=forms, default=list(FORMS),
+                        help=f"the forms timed, and the backends checked (default "
+                             f"{','.join(FORMS)})")
     return parser.parse_args(argv)
+
+
+def forms(text: str) -> list:
+    """'chain,tree' -> the forms named, each one of FORMS."""
+    names = text.split(",")
+    unknown = [name for name in names if name not in FORMS]
+    if unknown:
+        raise ValueError(f"unknown forms {unknown}: expected some of {list(FORMS)}")
+    return names
 
 
 if __name__ == "__main__":

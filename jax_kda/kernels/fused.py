@@ -8,9 +8,10 @@ path's records in its order.
 
 A cluster of `split` CTAs of 256 threads per (request, head); CTA `rank` owns the state
 rows [rank RC, (rank + 1) RC), RC = 128 / split. Every CTA of the item recomputes the
-per-token operands (convolution, norms, pair products); the gate projection is shared
-instead (each CTA projects its channel share and pushes the decays to its peers over
-distributed shared memory), and so are the gated RMSNorm's sums of squares. Before
+per-token operands (convolution, norms); the gate projection is shared instead (each
+CTA projects its channel share and pushes the decays to its peers over distributed
+shared memory), and so are the pair products where they come in two units or more
+(`shared_pairs`) and the gated RMSNorm's sums of squares. Before
 `griddepcontrol.wait` the kernel reads only the weights (no earlier op of a program can
 be writing them); a stacked call's layer index, which one may be, is read there too but
 only to aim the weights' loads, and checked after the wait.
@@ -84,7 +85,8 @@ Shared = collections.namedtuple("Shared", (
     "staged", "x_in", "records_in", "window", "xvec", "dots", "gate_in", "kp",
     "old_decays", "decay_n", "old_u", "decays", "raw_gates", "values_v", "norm_sums",
     "old_sums", "pairs", "pair_sums", "betas", "out_sums", "received", "exchange",
-    "state_arrived", "gates_arrived", "kx", "parents", "ancestors", "order"),
+    "state_arrived", "gates_arrived", "pairs_arrived", "kx", "parents", "ancestors",
+    "order"),
     defaults=(None,) * 4)  # kx: lazy builds only; the last three: tree builds only
 
 
@@ -143,6 +145,33 @@ class FusedVerify(Kernel):
         self.lanes = THREADS * self.rows_per_thread // self.rows  # threads per row
         self.chunks = K // (4 * self.lanes)  # KCH: 4-key chunks per thread and row
         self.tiles = -(-self.tokens // 8)  # the gate projection's mma tiles of 8 tokens
+
+    def pair_units(self):
+        """(by node, units): a tree's pair products past BATCHED_TREE_TOKENS tokens go
+        node by node (T units), the others in batches of 32 pairs."""
+        if self.trees and self.tokens > BATCHED_TREE_TOKENS:
+            return True, self.tokens
+        return False, -(-self.tokens ** 2 // 32)
+
+    def shared_pairs(self):
+        """Whether the cluster's CTAs share the pair products (which each would compute
+        whole), each computing its units and pushing them to every CTA: at split > 1,
+        where there are two units or more, but a tree's batches past 8 nodes (each
+        batch's pairs hold their paths' decays: 24 bytes spilled at 12 nodes)."""
+        by_node, units = self.pair_units()
+        batched_tree = self.trees and not by_node and self.tokens > 8
+        return self.split > 1 and units >= 2 and not batched_tree
+
+    def pair_owner(self, unit: int):
+        """The rank of the CTA that computes pair unit `unit`; None where each computes
+        every unit. Batches in turn; nodes (2t + 1 pairs each) there and back, 0, 1,
+        ..., 1, 0, which evens the CTAs' pairs out."""
+        if not self.shared_pairs():
+            return None
+        if not self.pair_units()[0]:
+            return unit % self.split
+        turn = unit % (2 * self.split)
+        return turn if turn < self.split else 2 * self.split - 1 - turn
 
     def key(self):
         return (self.config, self.split, self.has_bias, self.conv_dtype, self.norm_dtype,
@@ -213,6 +242,8 @@ class FusedVerify(Kernel):
         projecting, block = self.projection_role(rank, tid)
         if cutlass.const_expr(self.split > 1):
             self.arm(smem.gates_arrived, self.tokens * K * 4, tid)
+            if cutlass.const_expr(self.shared_pairs()):
+                self.arm(smem.pairs_arrived, self.tokens ** 2 * 4 * 4, tid)
             cute.arch.cluster_arrive_relaxed()  # waited on before the decays are pushed
         guess = self.guess_layer(ptr, num_layers)
         weights = self.load_weights(self.at_layer(ptr, guess, num_slots, num_records), head,
@@ -299,7 +330,7 @@ class FusedVerify(Kernel):
             cute.arch.cluster_wait()  # every CTA of the item has read the old records
         self.stamp(timeline, Phase.CLUSTER_SYNCED, tid)
         self.write_records(ptr, activations, smem, item, base, head, rank, tid)
-        self.vectors(smem, activations, n, tid)
+        self.vectors(smem, activations, n, rank, tid)
         low_rank = self.low_rank(smem, n, write, tid)
         self.stamp(timeline, Phase.VECTORS_READY, tid)
         self.state_pass(ptr.state, smem, item.slot, n, write, low_rank, head,
@@ -926,16 +957,17 @@ class FusedVerify(Kernel):
     # === Phase 8 (VECTORS_READY): the token and replay vectors
 
     @cute.jit
-    def vectors(self, smem, activations, n, tid):
+    def vectors(self, smem, activations, n, rank, tid):
         """Section 0: the token vectors and pair products, once the peers' decays are in;
         section 1: the replay vectors and, here where it waits for section 0 anyway, the
         solve's output gates into old_decays (its column `channel` = row only this thread
-        read, and for the last time). Then the pair sums."""
+        read, and for the last time). Then the pair sums, once every CTA's pairs are in
+        (`shared_pairs`)."""
         T: cutlass.Constexpr = self.tokens
         if tid // K == 0:
             if cutlass.const_expr(self.split > 1):
                 cute.arch.mbarrier_wait(smem.gates_arrived, 0)
-            self.token_vectors(activations, smem, tid)
+            self.token_vectors(activations, smem, rank, tid)
         else:
             self.replay_vectors(smem.kp, smem.old_decays, smem.old_sums, smem.decay_n, n, tid)
             row = tid - K
@@ -945,18 +977,20 @@ class FusedVerify(Kernel):
                     smem.old_decays[t, row] = gates[t]
         cute.arch.barrier()
         if tid < T * T:
+            if cutlass.const_expr(self.shared_pairs()):
+                cute.arch.mbarrier_wait(smem.pairs_arrived, 0)
             smem.pair_sums[tid] = tree_sum([smem.pairs[tid, w] for w in range(4)])
 
     @cute.jit
-    def token_vectors(self, activations, smem, tid):
+    def token_vectors(self, activations, smem, rank, tid):
         """Section 0: normalized q (scaled) and k of this channel; Gamma_t k_t and
         Gamma_t q_t into xvec; the channel's terms of the T^2 pair products, summed per
-        warp into pairs. A tree build takes each product over node t's path: a decay
-        off it is selected away (a factor 1), a pair off it is 0."""
+        warp into pairs, unit by unit (`pair_units`), this CTA's own where the cluster
+        shares them (`pair_owner`). A tree build takes each product over node t's path:
+        a decay off it is selected away (a factor 1), a pair off it is 0."""
         T: cutlass.Constexpr = self.tokens
-        NP: cutlass.Constexpr = T * T
-        norm_sums, decays, xvec, pairs = smem.norm_sums, smem.decays, smem.xvec, smem.pairs
-        channel, lane, warp = tid % K, tid % 32, tid // 32
+        norm_sums, decays, xvec = smem.norm_sums, smem.decays, smem.xvec
+        channel = tid % K
         ancestors = self.ancestor_bits(smem)
         qs = cute.make_rmem_tensor(T, Float32)
         ks = cute.make_rmem_tensor(T, Float32)
@@ -977,19 +1011,33 @@ class FusedVerify(Kernel):
                 gamma = d if t == 0 else gamma * d
             xvec[t, channel] = gamma * ks[t]
             xvec[T + t, channel] = gamma * qs[t]
-        if cutlass.const_expr(self.trees and T > BATCHED_TREE_TOKENS):
-            # the decays read where used: held in registers, tree-16 builds spill
-            self.pairs_node_by_node(ks, qs, decays, channel, ancestors, pairs, lane, warp)
+        by_node = self.pair_units()[0]
+        # batches take the decays from registers; nodes read them where used (held, a
+        # tree of 16's spill)
+        d = None if by_node else [decays[t, channel] for t in range(T)]
+        for unit in cutlass.range_constexpr(self.pair_units()[1]):
+            if cutlass.const_expr(self.pair_owner(unit) is None):
+                self.unit_pairs(unit, ks, qs, d, decays, channel, ancestors, smem, tid)
+            else:
+                if rank == self.pair_owner(unit):
+                    self.unit_pairs(unit, ks, qs, d, decays, channel, ancestors, smem, tid)
+
+    @cute.jit
+    def unit_pairs(self, unit: cutlass.Constexpr, ks, qs, d, decays, channel, ancestors,
+                   smem, tid):
+        """One unit of the pair products: a node's (`node_pairs`, the decays from shared
+        memory), or pairs 32 unit + [0, 32) in the order of `pair_index`, each
+        `pair_term` (the decays d in registers)."""
+        if cutlass.const_expr(self.pair_units()[0]):
+            self.node_pairs(unit, ks, qs, decays, channel, ancestors, smem, tid)
         else:
-            d = [decays[t, channel] for t in range(T)]
+            T: cutlass.Constexpr = self.tokens
             pairs_in_order = [("A", t, s) for t in range(T) for s in range(t)] + [
                 ("B", t, s) for t in range(T) for s in range(t + 1)]
-            for first in cutlass.range_constexpr(0, NP, 32):  # 32 pairs per warp_totals
-                terms = [self.pair_term(ks, qs, d, ancestors, kind, t, s)
-                         for kind, t, s in pairs_in_order[first:first + 32]]
-                total, index, holds = warp_totals(terms, lane)
-                if holds:
-                    pairs[first + index, warp] = total
+            terms = [self.pair_term(ks, qs, d, ancestors, kind, t, s)
+                     for kind, t, s in pairs_in_order[32 * unit:32 * unit + 32]]
+            total, index, holds = warp_totals(terms, tid % 32)
+            self.store_pair(smem, 32 * unit + index, total, holds, tid)
 
     def pair_term(self, ks, qs, d, ancestors, kind, t: int, s: int):
         """This channel's term of A_ts (kind "A") or B_ts: k_s P(s, t) times k_t or q_t,
@@ -1004,30 +1052,42 @@ class FusedVerify(Kernel):
         return term
 
     @cute.jit
-    def pairs_node_by_node(self, ks, qs, decays, channel, ancestors, pairs, lane, warp):
-        """A large tree's pair products: per node t its 2t + 1 terms (A_ts, s < t, then
+    def node_pairs(self, t: cutlass.Constexpr, ks, qs, decays, channel, ancestors, smem,
+                   tid):
+        """A large tree's pair products of node t: its 2t + 1 terms (A_ts, s < t, then
         B_ts, s <= t) in one warp reduction, so that t's path's factors die with them
-        (`token_vectors`' batches across nodes spill there). P(s, t) is the suffix
-        product of t's path factors down from t, f_{s+1} (f_{s+2} (... f_t)), one
-        product more than P(s + 1, t): T^2 / 2 products where `pair_term`'s, in token
-        order from k_s, take T^3 / 6. k_s P(s, t) is 0 off t's path (a select: a bad
-        branch's NaN stays in it)."""
+        (batches across nodes spill there). P(s, t) is the suffix product of t's path
+        factors down from t, f_{s+1} (f_{s+2} (... f_t)), one product more than P(s + 1,
+        t): T^2 / 2 products over the nodes, where `pair_term`'s, in token order from
+        k_s, take T^3 / 6. k_s P(s, t) is 0 off t's path (a select: a bad branch's NaN
+        stays in it)."""
         T: cutlass.Constexpr = self.tokens
-        for t in cutlass.range_constexpr(T):
-            weighted = [ks[t]] * (t + 1)  # k_s P(s, t)
-            suffix = decays[t, channel]  # P(t - 1, t)
-            for s in cutlass.range_constexpr(t - 1, -1, -1):
-                weighted[s] = cutlass.select_(self.on_path(ancestors, t, s), ks[s] * suffix,
-                                              Float32(0.0))
-                if cutlass.const_expr(s > 0):
-                    suffix = suffix * self.path_factor(ancestors, t, s, decays[s, channel])
-            terms = [weighted[s] * ks[t] for s in range(t)] + [
-                weighted[s] * qs[t] for s in range(t + 1)]
-            total, index, holds = warp_totals(terms, lane)
-            slot = cutlass.select_(index < t, pair_index(T, t, 0, "A") + index,
-                                   pair_index(T, t, 0, "B") + index - t)
-            if holds:
-                pairs[slot, warp] = total
+        weighted = [ks[t]] * (t + 1)  # k_s P(s, t)
+        suffix = decays[t, channel]  # P(t - 1, t)
+        for s in cutlass.range_constexpr(t - 1, -1, -1):
+            weighted[s] = cutlass.select_(self.on_path(ancestors, t, s), ks[s] * suffix,
+                                          Float32(0.0))
+            if cutlass.const_expr(s > 0):
+                suffix = suffix * self.path_factor(ancestors, t, s, decays[s, channel])
+        terms = [weighted[s] * ks[t] for s in range(t)] + [
+            weighted[s] * qs[t] for s in range(t + 1)]
+        total, index, holds = warp_totals(terms, tid % 32)
+        slot = cutlass.select_(index < t, pair_index(T, t, 0, "A") + index,
+                               pair_index(T, t, 0, "B") + index - t)
+        self.store_pair(smem, slot, total, holds, tid)
+
+    @cute.jit
+    def store_pair(self, smem, slot, total, holds, tid):
+        """A warp's total of pair `slot` into pairs [slot, warp]: this CTA's, or with
+        `shared_pairs` every CTA's of the cluster (a DSMEM push each, on pairs_arrived)."""
+        warp = tid // 32
+        if holds:
+            if cutlass.const_expr(self.shared_pairs()):
+                for peer in cutlass.range_constexpr(self.split):
+                    push_f32(smem.pairs.iterator + slot * 4 + warp, total,
+                             smem.pairs_arrived, peer)
+            else:
+                smem.pairs[slot, warp] = total
 
     @cute.jit
     def replay_vectors(self, kp, old_decays, old_sums, decay_n, n, tid):

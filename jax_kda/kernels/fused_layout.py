@@ -15,7 +15,7 @@ from jax_kda import kernel_abi
 from jax_kda.config import K, KdaConfig
 
 WIDTHS = {"float32": 32, "bfloat16": 16, "int32": 32, "int64": 64}  # bits of a dtype
-BARRIERS = ("exchange", "state_arrived", "gates_arrived")  # one mbarrier each
+BARRIERS = ("exchange", "state_arrived", "gates_arrived", "pairs_arrived")  # one mbarrier each
 
 
 def footprint(buffers) -> int:

@@ -9,7 +9,8 @@ alternating ROUNDS times so that clock and thermal drift fall on all of them.
     JAX_PLATFORMS=cpu python tools/kernel_lab/compare.py --baseline /tmp/base 64,4,1 1,4,2
 
 A point B,T,SPLIT,C,N runs the lazy checkpoint (checkpoint_every C) with every request
-holding N kept tokens, as in `timeline.py`.
+holding N kept tokens, and the flags `tree` and `bf16` the tree build and a bf16 state, as
+in `timeline.py`.
 
 A build must have this checkout's interface: `FusedVerify(config, split, has_bias, *,
 timeline, solo, stacked)` with the `config`, `has_bias`, `stacked` and `timeline`
@@ -32,6 +33,7 @@ import os
 import statistics
 import sys
 
+import jax.numpy as jnp
 import torch
 
 from jax_kda.kernels import FusedVerify, compiled
@@ -41,7 +43,7 @@ from graphs import Point, cute_tensors
 from timeline import summarize
 
 ROUNDS = 3
-CACHE_FIELDS = ("state", "conv", "corrections", "key_gates", "pending")
+CACHE_FIELDS = ("state", "conv", "corrections", "key_gates", "pending", "nodes")
 
 
 def load_module(name, path):
@@ -96,12 +98,13 @@ def clock(point, compiled, serial, before):
 def one_step(point, compiled):
     """Every written field after one launch on a fresh copy of cache set 0 (out poisoned)."""
     named = dict(point.named[0])
-    for field in CACHE_FIELDS:
+    fields = [field for field in CACHE_FIELDS if named[field] is not None]  # nodes: trees'
+    for field in fields:
         named[field] = named[field].clone()
     named["out"] = torch.full_like(point.out, float("nan"))
     compiled(point.handle, *cute_tensors(list(named.values())))
     torch.cuda.synchronize()
-    return {field: named[field] for field in CACHE_FIELDS + ("out",)}
+    return {field: named[field] for field in fields + ["out"]}
 
 
 def differences(a, b):
@@ -130,8 +133,11 @@ def main():
     print(torch.cuda.get_device_name(0))
     rows = []
     for text in args.points:
-        B, T, split, *lazy = (int(v) for v in text.split(","))
-        point = Point(B, T, split, *lazy[:1])
+        values = text.split(",")
+        flags = [v for v in values if not v.isdigit()]
+        B, T, split, *lazy = (int(v) for v in values if v.isdigit())
+        point = Point(B, T, split, *lazy[:1], trees="tree" in flags,
+                      state_dtype=jnp.bfloat16 if "bf16" in flags else jnp.float32)
         if lazy[1:]:
             point.hold(lazy[1])
         compiled = builds(point.config, others, point.solo)
@@ -146,7 +152,7 @@ def main():
                                               before=before))
         if alone:
             times = {name: [t - a for t, a in zip(ts, alone)] for name, ts in times.items()}
-        row = dict(B=B, T=T, split=split, lazy=lazy,
+        row = dict(B=B, T=T, split=split, lazy=lazy + flags,
                    us={name: statistics.median(t) for name, t in times.items()},
                    spread_us={name: max(t) - min(t) for name, t in times.items()},
                    differences={name: differences(steps[name], steps["this"])

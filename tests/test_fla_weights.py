@@ -1,8 +1,9 @@
 """Weights from flash-linear-attention and Hugging Face checkpoints (`jax_kda.checkpoints`).
 
 fla's `KimiDeltaAttention` with random weights, converted, against our prefill and verify
-on the same tokens: the XLA prefill + `fused_verify(backend="jax")` and the stock
-reference each within bf16 rounding of fla's layer, and the state after the prompt
+on the same tokens: the XLA prefill + `fused_verify(backend="jax")`, the stock reference
+and, on a Hopper GPU, the kernels (`backend="auto"`) each within bf16 rounding of fla's
+layer, and the state after the prompt
 fla's in its own layout. It needs torch and fla 0.6.0 (which imports triton, even on a
 CPU) and is skipped without them. Where there is no CUDA, fla's Triton ops cannot run:
 its layer then runs fla's naive torch references (`fla.ops.kda.naive`, the gate's
@@ -18,8 +19,8 @@ import jax.numpy as jnp
 import pytest
 
 from compare import out_error, scaled_error
-from jax_kda import (K, KdaConfig, PrefillInputs, VerifyInputs, fused_verify, init_cache,
-                     prefill)
+from jax_kda import (K, KdaConfig, PrefillInputs, VerifyInputs, cutedsl_supported,
+                     fused_verify, init_cache, prefill)
 from jax_kda.checkpoints import convert_layer
 from jax_kda.projections import layer_inputs, layer_output
 from jax_kda.ref import stock_prefill, stock_verify
@@ -272,13 +273,17 @@ def poisoned_cache(config):
 
 
 PATHS = {
-    "xla": (prefill, lambda *a: fused_verify(*a, backend="jax")),
+    "xla": (lambda *a: prefill(*a, backend="jax"), lambda *a: fused_verify(*a, backend="jax")),
     "stock": (jax.jit(stock_prefill, static_argnames="config"),
               jax.jit(stock_verify, static_argnames="config")),
+    # the verify kernel; the prefill's kernels where they take the gate (not the softplus)
+    "kernels": (prefill, fused_verify),
 }
+ON_HOPPER = [pytest.mark.gpu, pytest.mark.skipif(
+    not cutedsl_supported(), reason="needs a CUDA GPU of compute capability >= 9.0")]
 
 
-@pytest.mark.parametrize("path", list(PATHS))
+@pytest.mark.parametrize("path", ["xla", "stock", pytest.param("kernels", marks=ON_HOPPER)])
 @pytest.mark.parametrize("lower_bound", [LOWER_BOUND, None], ids=["sigmoid-gate",
                                                                  "softplus-gate"])
 @pytest.mark.parametrize("conv_bias", [False, True], ids=["no-conv-bias", "conv-bias"])

@@ -3,9 +3,8 @@
 fla's `KimiDeltaAttention` with random weights, converted, against our prefill and verify
 on the same tokens: the XLA prefill + `fused_verify(backend="jax")`, the stock reference
 and, on a Hopper GPU, the kernels (`backend="auto"`) each within bf16 rounding of fla's
-layer, and the state after the prompt
-fla's in its own layout. It needs torch and fla 0.6.0 (which imports triton, even on a
-CPU) and is skipped without them. Where there is no CUDA, fla's Triton ops cannot run:
+layer, and the state after the prompt fla's in its own layout. It needs torch and fla
+0.6.0 (which imports triton, even on a CPU) and is skipped without them. Where there is no CUDA, fla's Triton ops cannot run:
 its layer then runs fla's naive torch references (`fla.ops.kda.naive`, the gate's
 `naive_kda_lowerbound_gate`) and plain torch for the short convolution and the gated
 norm, at the rounding points of fla's kernels. The converter's options and errors are

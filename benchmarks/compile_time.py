@@ -122,8 +122,8 @@ def one(args) -> dict:
             np.asarray(stacked(model, fresh(), last, slots, rows)[1])))
     piece = example.round_up(min(args.max_prompt, example.PREFILL_PIECE))
     prefill = jax.jit(functools.partial(example.prefill_step, config=config), donate_argnums=1)
-    prompts = (model, cache, np.zeros((B, piece), np.int32), np.full(B, piece, np.int32),
-               np.zeros(B, bool) if args.max_prompt > piece else None, slots, rows)
+    prompts = example.prefill_args(model, cache, B, piece,
+                                   example.prefill_resumes(B, args.max_prompt, piece))
     times, _ = stages(prefill, prompts, options)
     row.update({f"prefill_{k}": v for k, v in times.items()})
     if jax.default_backend() == "gpu":

@@ -31,10 +31,13 @@ share the batch; a finished request frees its slot and a waiting one is prefille
 it (`jax_kda.prefill(..., layer=i)` in the same scan, one donated jit); empty rows are
 padding. A prefill call computes the admitted prompts alone: in a power of two of rows,
 or a compiled prefill of up to PREFILL_PADDING times their rows (one compile per row
-count, at most log2(batch) + 2), in pieces of at most PREFILL_PIECE tokens, a longer
-prompt resuming from the cache in the next call (`PrefillInputs.resume`). `--layer-list`
-runs the same model the unstacked way for comparison: a Python list of per-layer weights
-and caches, one `fused_verify` and one `accept` per layer.
+count, at most log2(batch) + 2), in pieces of at most PREFILL_PIECE tokens packed one
+after another: R rows' call computes R * PREFILL_PIECE / PREFILL_PACK positions of the
+model around the KDA layers, which take them in rows; a longer prompt, or one cut short
+where the call's positions run out, resumes from the cache in the next call
+(`PrefillInputs.resume`). `--layer-list` runs the same model the unstacked way for
+comparison: a Python list of per-layer weights and caches, one `fused_verify` and one
+`accept` per layer.
 
 Everything compiled is kept on disk (`jax_kda.enable_compile_cache`): a second run
 compiles nothing and says it started warm; `--no-compile-cache` compiles afresh. On a GPU
@@ -119,6 +122,9 @@ TP_AXIS = "tp"  # the mesh axis of --tp
 # JAX's events of a program loaded from its persistent compile cache, and of one compiled
 CACHE_EVENTS = ("/jax/compilation_cache/cache_hits", "/jax/compilation_cache/cache_misses")
 PREFILL_PIECE = 512  # a prompt's tokens per prefill call; a longer one resumes in the next
+# a prefill call of R rows computes R * piece / PREFILL_PACK prompt tokens (a piece at
+# least), packed: prompts of uniform lengths fill it on average, and a row cut short resumes
+PREFILL_PACK = 2
 # a compiled prefill takes as few as 1/4 of its rows in prompts: a compile costs seconds,
 # padding rows of a small call milliseconds
 PREFILL_PADDING = 4
@@ -415,23 +421,29 @@ def decode_step(model: Model, cache, last, slots, record_rows, *, config: ModelC
     return cache, target, accepted, top, newest
 
 
-def prefill_step(model: Model, cache, prompts, lengths, resume, slots, record_rows, *,
-                 config: ModelConfig):
-    """Prefills pieces of prompts [B, P] (lengths [B]) into their slots: a row with
-    resume [B] True continues its prompt from the cache (`PrefillInputs.resume`), the
-    others (every row where resume is None) start one; padding rows have slot 0.
+def prefill_step(model: Model, cache, tokens, where, origin, lengths, resume, slots,
+                 record_rows, *, config: ModelConfig):
+    """Prefills pieces of prompts packed in tokens [N] into their slots: the model around
+    the KDA layers computes the N tokens alone; each KDA layer takes them in rows [B, P]
+    (where [B, P]: each row position's index in tokens, N for none; origin [N]: each
+    token's row position b * P + p), row b holding lengths [B] tokens. A row with resume
+    [B] True continues its prompt from the cache (`PrefillInputs.resume`), the others
+    (every row where resume is None) start one; padding rows have slot 0.
 
     Returns (cache, first [B], top [B]): the target's argmax after each piece's last
     token (a request's first new token where the piece ends its prompt), and its logit.
     """
+    rows = lambda a: jnp.take(a[0], where, axis=0, mode="fill", fill_value=0)
 
     def layer(params, cache, x, f_a, beta, gate, layer):
-        inputs = PrefillInputs(x, f_a, beta, gate, lengths, slots, record_rows, resume)
-        return jax_kda.prefill(params, cache, inputs, config.kda, layer=layer)
+        inputs = PrefillInputs(*map(rows, (x, f_a, beta, gate)), lengths, slots,
+                               record_rows, resume)
+        out, cache = jax_kda.prefill(params, cache, inputs, config.kda, layer=layer)
+        return out.reshape(-1, *out.shape[2:])[origin][None], cache
 
-    h, cache = forward(model, config, cache, prompts, layer, PREFILL_UNROLL)
-    last = jnp.take_along_axis(h, jnp.maximum(lengths - 1, 0)[:, None, None], axis=1)[:, 0]
-    first, top, _ = greedy(logits_of(model, last))
+    h, cache = forward(model, config, cache, tokens[None], layer, PREFILL_UNROLL)
+    ends = jnp.take_along_axis(where, jnp.maximum(lengths - 1, 0)[:, None], axis=1)[:, 0]
+    first, top, _ = greedy(logits_of(model, h[0, jnp.minimum(ends, tokens.shape[0] - 1)]))
     return cache, first, top
 
 
@@ -468,6 +480,39 @@ def padded(rows, width):
     return out
 
 
+def pack(pieces, rows: int, width: int, tokens: int):
+    """Pieces (token lists: at most `rows`, each at most `width` tokens, `tokens` in all
+    at most) -> `prefill_step`'s (tokens [tokens], where [rows, width], origin [tokens],
+    lengths [rows]) int32: the pieces one after another, zeros after them."""
+    packed, origin = np.zeros(tokens, np.int32), np.zeros(tokens, np.int32)
+    where = np.full((rows, width), tokens, np.int32)
+    lengths, start = np.zeros(rows, np.int32), 0
+    for row, piece in enumerate(pieces):
+        n = len(piece)
+        packed[start:start + n], lengths[row] = piece, n
+        where[row, :n] = np.arange(start, start + n)
+        origin[start:start + n] = row * width + np.arange(n)
+        start += n
+    return packed, where, origin, lengths
+
+
+def prefill_tokens(rows: int, piece: int) -> int:
+    """The prompt tokens a prefill call of `rows` rows computes, in pieces of `piece`."""
+    return max(piece, rows * piece // PREFILL_PACK)
+
+
+def prefill_resumes(batch: int, max_prompt: int, piece: int) -> bool:
+    """Whether a batch's prefill calls may resume a prompt: one longer than its piece, or
+    one cut short where a call's tokens run out."""
+    return max_prompt > piece or prefill_tokens(batch, piece) < batch * piece
+
+
+def prefill_args(model: Model, cache, rows: int, piece: int, resumes: bool):
+    """`prefill_step`'s arguments for a call of `rows` rows (padding), as it compiles."""
+    return (model, cache, *pack([], rows, piece, prefill_tokens(rows, piece)),
+            np.zeros(rows, bool) if resumes else None, *indices(np.full(rows, -1)))
+
+
 def round_up(n, multiple=16):
     return -(-n // multiple) * multiple
 
@@ -496,11 +541,12 @@ class Engine:
     step a `jax.shard_map` (`tensor_parallel`).
 
     A prefill call takes the admitted prompts only, in `prefill_rows` rows, in pieces of
-    at most `piece` tokens (rounded up to 16): a longer prompt resumes from the
-    cache in the next call (where max_prompt <= piece none does, and the prefill is
-    compiled without `resume`). The prefill compiles once per row count, when first
-    used (at most `len(self.prefill_shapes)`); the counters say what the calls
-    computed. Where the kernels run, the decode step's and the prefill's kernels compile
+    at most `piece` tokens (rounded up to 16), packed: a call of R rows computes
+    `tokens(R)` positions, and a prompt longer than its piece, or cut short where the
+    call's tokens run out, resumes from the cache in the next call (where none can,
+    the prefill is compiled without `resume`). The prefill compiles once per row count,
+    when first used (at most `len(self.prefill_shapes)`); the counters say what the
+    calls computed. Where the kernels run, the decode step's and the prefill's kernels compile
     first, in parallel processes (`jax_kda.compile_kernels`), from the decode step's
     trace and the prefill's at a full batch's rows, which its first call then lowers."""
 
@@ -509,7 +555,7 @@ class Engine:
                  piece: int = PREFILL_PIECE):
         self.config, self.batch = config, batch
         self.piece = round_up(min(max_prompt, piece))
-        self.resumes = max_prompt > self.piece
+        self.resumes = prefill_resumes(batch, max_prompt, self.piece)
         self.prefill_shapes = sorted({prefill_rows(n, batch) for n in range(1, batch + 1)})
         self.prefill_calls = self.prefill_positions = 0
         self.prefill_compile_s = 0.0
@@ -527,7 +573,7 @@ class Engine:
             self.model = shard_model(self.model, mesh)
             specs = model_specs(self.model), jax_kda.head_specs(self.cache, TP_AXIS)
             self.cache = place(self.cache, specs[1], mesh)
-            prefill = tensor_parallel(prefill, mesh, specs, inputs=5, outputs=2)
+            prefill = tensor_parallel(prefill, mesh, specs, inputs=7, outputs=2)
             decode = tensor_parallel(decode, mesh, specs, inputs=3, outputs=4)
         self._prefill_step, self.prefills = jax.jit(prefill, donate_argnums=1), {}
         tick = time.perf_counter()
@@ -549,28 +595,39 @@ class Engine:
         """All-reduces in the compiled decode step (per step)."""
         return len(re.findall(r" all-reduce(?:-start)?\(", self._decode.as_text()))
 
+    def tokens(self, rows: int) -> int:
+        """The prompt tokens a prefill call of `rows` rows computes."""
+        return prefill_tokens(rows, self.piece)
+
     def prefill(self, texts):
         """Prefills the batch rows whose token list in texts (one per row) is not empty;
         the others are left as they are. Returns (first [B] int32, top [B] f32) as
         NumPy arrays: each prefilled row's first new token and its logit (0 elsewhere)."""
         first, top = np.zeros(self.batch, np.int32), np.zeros(self.batch, np.float32)
-        rows, done = [row for row, text in enumerate(texts) if text], 0
-        while rows:
-            size = prefill_rows(len(rows), self.batch, self.prefills)
+        done = {row: 0 for row, text in enumerate(texts) if text}  # row: tokens prefilled
+        while done:
+            size = prefill_rows(len(done), self.batch, self.prefills)
+            rows, pieces, room = [], [], self.tokens(size)
+            for row in list(done)[:size]:  # a row cut short goes first in the next call
+                pieces.append(texts[row][done[row]:done[row] + min(self.piece, room)])
+                if not pieces[-1]:
+                    pieces.pop()
+                    break
+                rows.append(row)
+                room -= len(pieces[-1])
             padding = size - len(rows)
-            pieces = [texts[row][done:done + self.piece] for row in rows] + [[]] * padding
+            resume = [done[row] > 0 for row in rows] + [False] * padding
             self.cache, *results = self._compiled_prefill(size)(
-                self.model, self.cache, padded(pieces, self.piece),
-                np.array(list(map(len, pieces)), np.int32),
-                np.full(size, done > 0) if self.resumes else None,
-                *indices(rows + [-1] * padding))
+                self.model, self.cache, *pack(pieces, size, self.piece, self.tokens(size)),
+                np.array(resume) if self.resumes else None, *indices(rows + [-1] * padding))
             self.prefill_calls += 1
-            self.prefill_positions += size * self.piece
-            done += self.piece
-            ended = [i for i, row in enumerate(rows) if len(texts[row]) <= done]
-            for result, out in zip(results, (first, top)):
-                out[[rows[i] for i in ended]] = np.asarray(result)[ended]
-            rows = [row for row in rows if len(texts[row]) > done]
+            self.prefill_positions += self.tokens(size)
+            results = [np.asarray(result) for result in results]
+            for i, (row, piece) in enumerate(zip(rows, pieces)):
+                done[row] += len(piece)
+                if done[row] == len(texts[row]):
+                    del done[row]
+                    first[row], top[row] = results[0][i], results[1][i]
         return first, top
 
     def _compiled_prefill(self, rows: int):
@@ -584,10 +641,7 @@ class Engine:
         return self.prefills[rows]
 
     def _prefill_args(self, rows: int):
-        """The prefill's arguments at `rows` rows, as it is compiled."""
-        return (self.model, self.cache, np.zeros((rows, self.piece), np.int32),
-                np.zeros(rows, np.int32), np.zeros(rows, bool) if self.resumes else None,
-                *indices(np.full(rows, -1)))
+        return prefill_args(self.model, self.cache, rows, self.piece, self.resumes)
 
     def decode(self, last, live):
         """Enqueues one decode step of last [B] (NumPy, or the step before's `last` on the
@@ -949,8 +1003,9 @@ def decode_and_check(args, config: ModelConfig, model: Model, prompts, cache_eve
              f"{loaded} of {loaded + compiled} XLA programs from the compile cache")
     print(f"compile: decode step {engine.decode_compile_s:.1f} s, prefill "
           f"{engine.prefill_compile_s:.1f} s ({len(engine.prefills)} of its "
-          f"{len(engine.prefill_shapes)} shapes compiled: {engine.prefill_shapes} rows x "
-          f"{engine.piece} tokens); {start}")
+          f"{len(engine.prefill_shapes)} shapes compiled: " + ", ".join(
+              f"{rows} x {engine.piece} ({engine.tokens(rows)} tokens)"
+              for rows in engine.prefill_shapes) + f"); {start}")
     print(f"prefill: {prompt_tokens} prompt tokens of {len(prompts)} requests in "
           f"{engine.prefill_calls} calls, {run.prefill_s:.2f} s "
           f"({100 * run.prefill_s / total:.0f}%, {prompt_tokens / max(run.prefill_s, 1e-9):.0f} "

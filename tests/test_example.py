@@ -63,15 +63,49 @@ def test_speculative_equals_stock_greedy(decoded):
 
 
 def test_prefill_computes_the_admitted_pieces(decoded):
-    """Each prompt went through in pieces of PIECE tokens (the long ones resuming), in
-    calls of at most the batch's two rows, each holding a piece at least: never a row
-    as wide as the longest prompt."""
+    """Each prompt went through in pieces of at most PIECE tokens (the long ones, and
+    those cut short, resuming), packed in calls of at most the batch's two rows, each
+    call computing one piece's positions: never a row as wide as the longest prompt."""
     _, _, _, engine = decoded
-    pieces = sum(-(-n // PIECE) for n in LENGTHS)
     assert engine.resumes and engine.piece == PIECE
-    assert sum(LENGTHS) <= engine.prefill_positions <= 2 * PIECE * pieces
-    assert max(LENGTHS) // PIECE + 1 <= engine.prefill_calls <= pieces
+    assert engine.tokens(1) == engine.tokens(2) == PIECE
+    assert engine.prefill_positions == PIECE * engine.prefill_calls
+    assert -(-sum(LENGTHS) // PIECE) <= engine.prefill_calls < sum(LENGTHS) // 2
     assert set(engine.prefills) <= {1, 2} == set(engine.prefill_shapes)
+
+
+def test_prefill_packs_the_pieces(decoded, monkeypatch):
+    """Four prompts into a batch of four: each call's tokens are its rows' pieces one
+    after another (a call of R rows computing R * PIECE / 2 positions), each row reads
+    its piece's positions and each position finds its row's place; the pieces of a row
+    put together are its prompt, all but the first resuming."""
+    model, _, _, _ = decoded
+    rng = np.random.default_rng()
+    texts = [rng.integers(1, CONFIG.vocab, n).tolist() for n in (5, 30, 2, 17)]
+    engine = example.Engine(model, CONFIG, batch=4, max_prompt=30, backend="jax",
+                            piece=PIECE)
+    calls, compiled = [], engine._compiled_prefill
+    monkeypatch.setattr(engine, "_compiled_prefill", lambda rows: lambda *args: (
+        calls.append(args[2:]) or compiled(rows)(*args)))
+    first, _ = engine.prefill(texts)
+    seen = [[] for _ in texts]
+    for tokens, where, origin, lengths, resume, slots, _ in calls:
+        rows, width = where.shape
+        assert width == PIECE and len(tokens) == engine.tokens(rows) == PIECE * rows // 2
+        for b in range(rows):
+            n = lengths[b]
+            assert np.all(where[b, n:] == len(tokens))
+            assert np.array_equal(origin[where[b, :n]], b * width + np.arange(n))
+            if slots[b] > 0:
+                assert resume[b] == (len(seen[slots[b] - 1]) > 0)
+                seen[slots[b] - 1] += tokens[where[b, :n]].tolist()
+            else:
+                assert n == 0
+    assert seen == texts
+    assert len(calls) < sum(-(-len(text) // PIECE) for text in texts)
+    stock, _ = example.Engine(model, CONFIG, batch=4, max_prompt=30, backend="jax",
+                              piece=64).prefill(texts)  # one piece each, no cut
+    np.testing.assert_array_equal(first, stock)
 
 
 def test_kernels_compiled_ahead_and_the_first_prefill_traced_once(decoded, monkeypatch):
@@ -86,7 +120,7 @@ def test_kernels_compiled_ahead_and_the_first_prefill_traced_once(decoded, monke
     engine = example.Engine(model, CONFIG, batch=2, max_prompt=max(LENGTHS), backend="auto",
                             piece=PIECE)  # "auto": XLA on the CPU
     assert engine.kernels == 3 and len(handed) == 2
-    assert (2, PIECE) in [a.shape for a in handed[1].jaxpr.in_avals]  # the pieces
+    assert (2, PIECE) in [a.shape for a in handed[1].jaxpr.in_avals]  # the rows' places
     assert list(engine._traced) == [2]
     again = example.speculative_decode(engine, prompts, NEW_TOKENS)
     assert engine._traced == {} and 2 in engine.prefills
@@ -170,7 +204,7 @@ def test_prefill_piece_flag():
     resuming (pieces of 48 tokens without it), and the tokens are still greedy
     decoding's."""
     out = run_example("--max-prompt=40", "--prefill-piece=16", "--no-compile-cache")
-    assert "rows x 16 tokens)" in out and "check: OK" in out, out
+    assert "1 x 16 (16 tokens), 2 x 16 (16 tokens)" in out and "check: OK" in out, out
 
 
 def test_a_second_run_starts_warm(tmp_path):

@@ -546,9 +546,10 @@ class Engine:
     call's tokens run out, resumes from the cache in the next call (where none can,
     the prefill is compiled without `resume`). The prefill compiles once per row count,
     when first used (at most `len(self.prefill_shapes)`); the counters say what the
-    calls computed. Where the kernels run, the decode step's and the prefill's kernels compile
-    first, in parallel processes (`jax_kda.compile_kernels`), from the decode step's
-    trace and the prefill's at a full batch's rows, which its first call then lowers."""
+    calls computed. Where the kernels run, the decode step's and the prefill's kernels
+    compile first, in parallel processes (`jax_kda.compile_kernels`), from the decode
+    step's trace and the prefill's at a full batch's rows, which its first call then
+    lowers."""
 
     def __init__(self, model: Model, config: ModelConfig, batch: int, max_prompt: int,
                  backend: str = "auto", layer_list: bool = False, tp: int = 1,
@@ -641,6 +642,7 @@ class Engine:
         return self.prefills[rows]
 
     def _prefill_args(self, rows: int):
+        """The prefill's arguments at `rows` rows, as it is compiled."""
         return prefill_args(self.model, self.cache, rows, self.piece, self.resumes)
 
     def decode(self, last, live):

@@ -5,15 +5,12 @@ option, each pair in a process of its own with every cache off; on a GPU also th
 decode step's time (median GPU time per step from JAX's profiler trace, and jax-kda's
 kernels' share of it). The forms:
 
-- stacked: the example's, the blocks under `lax.scan` with one stacked cache, each
-  unrolled layer's weights a constant slice of the stacked ones;
-- list: per-layer weights and caches (the example's `--layer-list`);
-- dynamic: stacked, each layer's weights a slice at an index the compiler cannot fold
-  (`dynamic_forward`), so that every layer's fusions are the same; its first step's
-  tokens are checked against the stacked form's (`same_tokens`).
+- stacked: the example's, the KDA params and one cache stacked, the blocks' other
+  weights per layer;
+- list: per-layer KDA params and caches (the example's `--layer-list`).
 
     python benchmarks/compile_time.py [--layers 20 --heads 32 --dim 2304 --batch 1]
-        [--forms stacked,list,dynamic] [--options default,no_triton_gemm] [--json out.json]
+        [--forms stacked,list] [--options default,no_triton_gemm] [--json out.json]
 
 The options (`OPTIONS`) other than "default" are XLA's GPU compile options; on a CPU
 only "default" runs.
@@ -44,25 +41,6 @@ def load_example():
     return speculative_decoding
 
 
-def dynamic_forward(example):
-    """The example's `forward` for stacked blocks, each unrolled layer reading its weights
-    at a layer index hidden from the compiler (an optimization barrier)."""
-    import jax
-    import jax.numpy as jnp
-
-    def forward(model, config, cache, tokens, kda_layer, unroll=1):
-        h = example.embedding(model, tokens)
-        layers = jax.lax.optimization_barrier(jnp.arange(config.layers, dtype=jnp.int32))
-        weights = model.blocks._replace(kda=None)
-        for i in range(config.layers):
-            block = jax.tree.map(lambda w: jax.lax.dynamic_index_in_dim(
-                w, layers[i], keepdims=False), weights)
-            h, cache = example.block_forward(block, config, h, functools.partial(
-                kda_layer, model.blocks.kda, cache, layer=layers[i]))
-        return h, cache
-    return forward
-
-
 def stages(jitted, args, options: dict) -> tuple[dict, object]:
     """Seconds of trace, kernels (compiled ahead in processes, where they run), lower and
     XLA's compile of jitted(*args); and the compiled program."""
@@ -84,7 +62,6 @@ def one(args) -> dict:
     """One (form, option): the decode step's and the prefill's stages, and on a GPU the
     decode step's time."""
     import jax
-    import jax.numpy as jnp
     import numpy as np
 
     import jax_kda
@@ -104,22 +81,10 @@ def one(args) -> dict:
     row = dict(form=args.form, option=args.option, batch=B, device=jax.devices()[0].device_kind)
     slots, rows = example.indices(np.arange(B))
     last = np.zeros(B, np.int32)
-    if args.form == "dynamic":  # the decode step only: the prefill stays the example's
-        example.forward, stacked_forward = dynamic_forward(example), example.forward
     decode = jax.jit(functools.partial(example.decode_step, config=config, backend="auto"),
                      donate_argnums=1)
     times, step = stages(decode, (model, cache, last, slots, rows), options)
     row.update({f"decode_{k}": v for k, v in times.items()})
-    if args.form == "dynamic":
-        example.forward = stacked_forward
-        def fresh():  # a copy of the cache: the step donates it
-            return jax.tree.map(jnp.copy, cache)
-
-        stacked = jax.jit(functools.partial(example.decode_step, config=config,
-                                            backend="auto"))
-        row["same_tokens"] = bool(np.array_equal(
-            np.asarray(step(model, fresh(), last, slots, rows)[1]),
-            np.asarray(stacked(model, fresh(), last, slots, rows)[1])))
     piece = example.round_up(min(args.max_prompt, example.PREFILL_PIECE))
     prefill = jax.jit(functools.partial(example.prefill_step, config=config), donate_argnums=1)
     prompts = example.prefill_args(model, cache, B, piece,
@@ -150,7 +115,7 @@ def main(argv=None):
     parser.add_argument("--tokens", type=int, default=4)
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--max-prompt", type=int, default=512)
-    parser.add_argument("--forms", default="stacked,list,dynamic")
+    parser.add_argument("--forms", default="stacked,list")
     parser.add_argument("--options", default="default,no_triton_gemm")
     parser.add_argument("--json", default=None)
     parser.add_argument("--form", help=argparse.SUPPRESS)  # one pair, in this process
@@ -186,11 +151,10 @@ def main(argv=None):
         pathlib.Path(args.json).write_text(json.dumps(rows, indent=1))
     print(f"\n{'form':<8} {'option':<15} {'decode: trace':>13} {'kernels':>8} {'lower':>6} "
           f"{'XLA':>6} | {'prefill: trace':>14} {'kernels':>8} {'lower':>6} {'XLA':>6} | "
-          f"{'step us':>8} {'ours us':>8} {'same tokens':>11}")
+          f"{'step us':>8} {'ours us':>8}")
     for r in rows:
         step = (f"{'':>8} {'':>8}" if r.get("step_us") is None else
                 f"{r['step_us']:8.1f} {r['ours_us']:8.1f}")
-        step += f" {str(r.get('same_tokens', '')):>11}"
         print(f"{r['form']:<8} {r['option']:<15} {r['decode_trace_s']:13.2f} "
               f"{r['decode_kernels_s']:8.2f} {r['decode_lower_s']:6.2f} {r['decode_xla_s']:6.2f} | "
               f"{r['prefill_trace_s']:14.2f} {r['prefill_kernels_s']:8.2f} "

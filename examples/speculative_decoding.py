@@ -18,26 +18,28 @@ the chain's first T // 4 levels), verifies it in one step (`VerifyInputs.parents
 accepts the longest path whose tokens the target's argmax picks (`accept(...,
 path=)`); `--draft both` runs the chain and the tree on the same prompts.
 
-The layers are stacked: every block weight, the KDA layers' `KdaParams` included, has a
-leading [L] axis, and all layers share one `KdaCache` of `init_cache(..., layers=L)`.
-One decode step is a single `jax.jit` with that cache donated: draft T-1 tokens after
-each request's last token; run the target on those T tokens, the blocks under
-`jax.lax.scan` over layers with the stacked cache in the carry, each block's KDA layer
-`jax_kda.fused_verify(params, cache, ..., layer=i)` on the whole stacked params and
-cache (i the layer index, nothing sliced or copied); accept the longest prefix of
-drafts that the target's argmax agrees with plus the target's next token;
-`jax_kda.accept` the count, once for all layers. Requests of different prompt lengths
-share the batch; a finished request frees its slot and a waiting one is prefilled into
-it (`jax_kda.prefill(..., layer=i)` in the same scan, one donated jit); empty rows are
-padding. A prefill call computes the admitted prompts alone: in a power of two of rows,
-or a compiled prefill of up to PREFILL_PADDING times their rows (one compile per row
-count, at most log2(batch) + 2), in pieces of at most PREFILL_PIECE tokens packed one
-after another: R rows' call computes R * PREFILL_PIECE / PREFILL_PACK positions of the
+The KDA layers are stacked: their `KdaParams` have a leading [L] axis, and all layers
+share one `KdaCache` of `init_cache(..., layers=L)`; each block's other weights are its
+own arrays, so that XLA compiles and autotunes one matmul for all layers (a slice of
+stacked weights is a program of its own in every layer: docs/performance.md, "Compile
+time"). One decode step is a single `jax.jit` with that cache donated: draft T-1 tokens
+after each request's last token; run the target on those T tokens, the blocks in a
+straight line, each block's KDA layer `jax_kda.fused_verify(params, cache, ...,
+layer=i)` on the whole stacked params and cache (i the layer index, nothing sliced or
+copied); accept the longest prefix of drafts that the target's argmax agrees with plus
+the target's next token; `jax_kda.accept` the count, once for all layers. Requests of
+different prompt lengths share the batch; a finished request frees its slot and a
+waiting one is prefilled into it (`jax_kda.prefill(..., layer=i)`, one donated jit);
+empty rows are padding. A prefill call computes the admitted prompts alone: in a power
+of two of rows, or a compiled prefill of up to PREFILL_PADDING times their rows (one
+compile per row count, at most log2(batch) + 2), in pieces of at most PREFILL_PIECE
+tokens packed one after another: R rows' call computes R * PREFILL_PIECE / PREFILL_PACK
+positions of the
 model around the KDA layers, which take them in rows; a longer prompt, or one cut short
 where the call's positions run out, resumes from the cache in the next call
 (`PrefillInputs.resume`). `--layer-list` runs the same model the unstacked way for
-comparison: a Python list of per-layer weights and caches, one `fused_verify` and one
-`accept` per layer.
+comparison: per-layer `KdaParams` and a Python list of per-layer caches, one
+`fused_verify` and one `accept` per layer.
 
 Everything compiled is kept on disk (`jax_kda.enable_compile_cache`): a second run
 compiles nothing and says it started warm; `--no-compile-cache` compiles afresh. On a GPU
@@ -114,10 +116,6 @@ PROGRESS_SECONDS = 5.0  # a progress line at most this often
 # differ by up to 2.2e-3 between them on CPU and H200.
 TIE = 1e-2
 TIMED_STEPS = 20  # full-batch decode steps timed on a GPU, in the loop and in the trace
-# the layers in a straight line: 2.1x less GPU time than a while loop at B = 1
-# (docs/performance.md, "The decoder step")
-DECODE_UNROLL = True
-PREFILL_UNROLL = 1  # rolled: compile time flat in L, for a call made once per admission
 TP_AXIS = "tp"  # the mesh axis of --tp
 # JAX's events of a program loaded from its persistent compile cache, and of one compiled
 CACHE_EVENTS = ("/jax/compilation_cache/cache_hits", "/jax/compilation_cache/cache_misses")
@@ -177,19 +175,22 @@ class Block(NamedTuple):
 
 class Model(NamedTuple):
     """The target's weights; the draft uses embed, final_norm and unembed alone.
-    blocks: one stacked `Block` (leaves [L, ...]), or a tuple of L per-layer ones
+    blocks: a tuple of L per-layer `Block`s; kda: the L layers' `KdaParams` stacked, for
+    a stacked cache (the blocks' kda None), or None where each block holds its own
     (`unstacked`)."""
 
     embed: jax.Array       # [V, D] bf16
-    blocks: Block | tuple
+    blocks: tuple
     final_norm: jax.Array  # [D] f32
     unembed: jax.Array     # [V, D] bf16
+    kda: KdaParams | None
 
 
 @functools.partial(jax.jit, static_argnums=1)  # one program, not an op at a time
 def init_model(seed: int, config: ModelConfig) -> Model:
-    """Deterministic random weights, blocks stacked: projections scaled by fan-in, KDA
-    weights from `jax_kda.testing.random_params` (spread like a trained layer's)."""
+    """Deterministic random weights, the KDA params stacked: projections scaled by
+    fan-in, KDA weights from `jax_kda.testing.random_params` (spread like a trained
+    layer's)."""
     D, H, V = config.dim, config.heads, config.vocab
     keys = iter(jax.random.split(jax.random.key(seed, impl="rbg"), 2 + 10 * config.layers))
     dense = lambda rows, *cols, gain=1.0: (gain * rows**-0.5 * jax.random.normal(
@@ -209,14 +210,17 @@ def init_model(seed: int, config: ModelConfig) -> Model:
         )
         for _ in range(config.layers)]
     return Model(embed=jax.random.normal(next(keys), (V, D)).astype(jnp.bfloat16),
-                 blocks=jax.tree.map(lambda *leaves: jnp.stack(leaves), *blocks),
-                 final_norm=jnp.ones((D,), jnp.float32), unembed=dense(D, V).T)
+                 blocks=tuple(block._replace(kda=None) for block in blocks),
+                 final_norm=jnp.ones((D,), jnp.float32), unembed=dense(D, V).T,
+                 kda=jax.tree.map(lambda *leaves: jnp.stack(leaves),
+                                  *(block.kda for block in blocks)))
 
 
 def unstacked(model: Model, config: ModelConfig) -> Model:
-    """The model with its stacked blocks as a tuple of L per-layer `Block`s."""
-    blocks = tuple(jax.tree.map(lambda a: a[i], model.blocks) for i in range(config.layers))
-    return model._replace(blocks=blocks)
+    """The model with each block holding its own layer's `KdaParams`."""
+    return model._replace(kda=None, blocks=tuple(
+        block._replace(kda=jax.tree.map(lambda a: a[i], model.kda))
+        for i, block in enumerate(model.blocks)))
 
 
 def shard_config(config: ModelConfig, tp: int) -> ModelConfig:
@@ -226,33 +230,36 @@ def shard_config(config: ModelConfig, tp: int) -> ModelConfig:
 
 
 def model_specs(model: Model) -> Model:
-    """The `PartitionSpec`s of a stacked model split over TP_AXIS (`shard_model`):
-    column-parallel projections split their columns, row-parallel ones their rows, the
-    KDA weights and the output gate's bias their heads; the rest is whole on every
-    device."""
-    column, row = P(None, None, TP_AXIS), P(None, TP_AXIS, None)
+    """The `PartitionSpec`s of a model with stacked KDA params split over TP_AXIS
+    (`shard_model`): column-parallel projections split their columns, row-parallel ones
+    their rows, the KDA weights and the output gate's bias their heads; the rest is
+    whole on every device."""
+    column, row = P(None, TP_AXIS), P(TP_AXIS, None)
     projections = KdaProjections(w_in=column, w_gate=column, gate_bias=row, w_out=row)
-    blocks = Block(norm=P(), projections=projections,
-                   kda=jax_kda.head_specs(model.blocks.kda, TP_AXIS), mlp_norm=P(),
-                   w_up=column, w_down=row)
-    return Model(embed=P(), blocks=blocks, final_norm=P(), unembed=P())
+    block = Block(norm=P(), projections=projections, kda=None, mlp_norm=P(), w_up=column,
+                  w_down=row)
+    return Model(embed=P(), blocks=(block,) * len(model.blocks), final_norm=P(),
+                 unembed=P(), kda=jax_kda.head_specs(model.kda, TP_AXIS))
 
 
 def shard_model(model: Model, mesh) -> Model:
-    """The stacked model on `mesh`, split over TP_AXIS as `model_specs` says. The fused
-    input projection's columns are regrouped device first: each device's are the
-    projection of its heads alone (their q, k, v and beta, then the gates' low-rank
-    columns, which every device holds); the others are head-major already (w_gate's
-    columns and w_out's rows [H, K]) or split evenly (the MLP)."""
-    projections = model.blocks.projections
-    x, beta, f_a, g_a = input_parts(projections.w_in, heads_of(projections))
+    """The model on `mesh`, split over TP_AXIS as `model_specs` says. The fused input
+    projection's columns are regrouped device first: each device's are the projection
+    of its heads alone (their q, k, v and beta, then the gates' low-rank columns, which
+    every device holds); the others are head-major already (w_gate's columns and
+    w_out's rows [H, K]) or split evenly (the MLP)."""
     tp = mesh.shape[TP_AXIS]
-    h = x.shape[-2] // tp
-    w_in = jnp.concatenate([fuse_inputs(x[..., d * h:(d + 1) * h, :],
-                                        beta[..., d * h:(d + 1) * h], f_a, g_a)
-                            for d in range(tp)], axis=-1)
-    model = model._replace(blocks=model.blocks._replace(
-        projections=dataclasses.replace(projections, w_in=w_in)))
+
+    def regrouped(block):
+        projections = block.projections
+        x, beta, f_a, g_a = input_parts(projections.w_in, heads_of(projections))
+        h = x.shape[-2] // tp
+        w_in = jnp.concatenate([fuse_inputs(x[..., d * h:(d + 1) * h, :],
+                                            beta[..., d * h:(d + 1) * h], f_a, g_a)
+                                for d in range(tp)], axis=-1)
+        return block._replace(projections=dataclasses.replace(projections, w_in=w_in))
+
+    model = model._replace(blocks=tuple(map(regrouped, model.blocks)))
     return place(model, model_specs(model), mesh)
 
 
@@ -291,27 +298,20 @@ def block_forward(block: Block, config: ModelConfig, h, kda_layer):
     return h, cache
 
 
-def forward(model: Model, config: ModelConfig, cache, tokens, kda_layer, unroll=1):
+def forward(model: Model, config: ModelConfig, cache, tokens, kda_layer, layers=None):
     """The target on tokens [B, N]: (hidden [B, N, D] before the final norm, cache).
 
     kda_layer(params, cache, x, f_a, beta, gate, layer) -> (out [B, N, H, K] bf16,
-    cache) runs one KDA layer (a verify, a prefill or the stock reference). With stacked
-    blocks and a stacked `KdaCache`, the blocks run under `lax.scan` (unrolled by
-    `unroll`, as `lax.scan` takes it) and kda_layer gets the whole stacked params and
-    cache and the int32 layer index; with a tuple of blocks and a list of caches, one
-    call per layer with layer None.
+    cache) runs one KDA layer (a verify, a prefill or the stock reference). The blocks
+    run in a straight line: with stacked KDA params and a stacked `KdaCache`,
+    kda_layer gets them whole and the layer index (layers[i], or i where layers is
+    None); with per-layer params and a list of caches, the layer's own with layer None.
     """
     h = embedding(model, tokens)
     if isinstance(cache, KdaCache):
-        def step(carry, scanned):
-            h, cache = carry
-            block, i = scanned
-            return block_forward(block, config, h, functools.partial(
-                kda_layer, model.blocks.kda, cache, layer=i)), None
-
-        layers = jnp.arange(config.layers, dtype=jnp.int32)
-        (h, cache), _ = jax.lax.scan(step, (h, cache), (model.blocks._replace(kda=None), layers),
-                                     unroll=unroll)
+        for i, block in enumerate(model.blocks):
+            h, cache = block_forward(block, config, h, functools.partial(
+                kda_layer, model.kda, cache, layer=i if layers is None else layers[i]))
         return h, cache
     caches = []
     for block, layer_cache in zip(model.blocks, cache):
@@ -402,7 +402,7 @@ def decode_step(model: Model, cache, last, slots, record_rows, *, config: ModelC
         return jax_kda.fused_verify(params, cache, inputs, config.kda, backend=backend,
                                     layer=layer)
 
-    h, cache = forward(model, config, cache, tokens, verify, DECODE_UNROLL)
+    h, cache = forward(model, config, cache, tokens, verify)
     target, top, _ = greedy(logits_of(model, h))
     path = None
     if config.tree:
@@ -441,7 +441,11 @@ def prefill_step(model: Model, cache, tokens, where, origin, lengths, resume, sl
         out, cache = jax_kda.prefill(params, cache, inputs, config.kda, layer=layer)
         return out.reshape(-1, *out.shape[2:])[origin][None], cache
 
-    h, cache = forward(model, config, cache, tokens[None], layer, PREFILL_UNROLL)
+    # Each layer's KDA params at an index the compiler cannot fold: its gate projection
+    # (XLA's matmul, on a slice of the stacked params) is then one program for all
+    # layers, autotuned once, where a constant slice makes a program per layer.
+    layers = jax.lax.optimization_barrier(jnp.arange(config.layers, dtype=jnp.int32))
+    h, cache = forward(model, config, cache, tokens[None], layer, layers)
     ends = jnp.take_along_axis(where, jnp.maximum(lengths - 1, 0)[:, None], axis=1)[:, 0]
     first, top, _ = greedy(logits_of(model, h[0, jnp.minimum(ends, tokens.shape[0] - 1)]))
     return cache, first, top
@@ -536,9 +540,9 @@ def prefill_rows(prompts: int, batch: int, compiled=()) -> int:
 class Engine:
     """The compiled prefill and decode step of a batch of `batch` rows and the cache they
     donate: one stacked `KdaCache` (layers=L), or with `layer_list` a list of L
-    per-layer ones beside per-layer weights. Prompts hold up to `max_prompt` tokens.
-    tp > 1: the stacked model and cache split over `tp` devices (`shard_model`), each
-    step a `jax.shard_map` (`tensor_parallel`).
+    per-layer ones beside per-layer `KdaParams`. Prompts hold up to `max_prompt` tokens.
+    tp > 1: the model and the stacked cache split over `tp` devices (`shard_model`),
+    each step a `jax.shard_map` (`tensor_parallel`).
 
     A prefill call takes the admitted prompts only, in `prefill_rows` rows, in pieces of
     at most `piece` tokens (rounded up to 16), packed: a call of R rows computes
@@ -790,7 +794,8 @@ def step_bytes(engine: Engine) -> tuple[int, int]:
     KDA states of the batch's requests, each read and written once)."""
     local = lambda a: a.addressable_shards[0].data.nbytes  # one device's part
     model = engine.model
-    weights = (sum(map(local, jax.tree.leaves(model.blocks))) + local(model.final_norm)
+    weights = (sum(map(local, jax.tree.leaves((model.blocks, model.kda))))
+               + local(model.final_norm)
                + engine.config.tokens * local(model.unembed))
     caches = engine.cache if isinstance(engine.cache, list) else [engine.cache]
     per_request = sum(local(c.state) // c.state.shape[-4] for c in caches)  # S slots
@@ -834,7 +839,7 @@ def check(model: Model, config: ModelConfig, prompts, run: Run) -> Verdict:
     per-token recurrence after the same prefix (one pass over the whole sequences). If
     every gap is 0, every token is greedy decoding's choice after the tokens before it,
     so by induction the run equals plain greedy decoding from each prompt, token for
-    token. model: the stacked one `init_model` returns."""
+    token. model: the one `init_model` returns."""
     sequences = [p + t for p, t in zip(prompts, run.tokens)]
     lengths = np.array([len(s) for s in sequences], np.int32)
     # one compile for chains and trees alike: the stock model has no drafts
@@ -880,8 +885,8 @@ def parse_args(argv=None):
                         help="fused_verify's backend: auto = the CuTe DSL kernel on "
                              "H100/H200, else pure JAX")
     parser.add_argument("--layer-list", action="store_true",
-                        help="run the layers unstacked, for comparison: a Python list of "
-                             "per-layer weights and caches, one fused_verify each")
+                        help="run the KDA layers unstacked, for comparison: per-layer "
+                             "params and a Python list of caches, one fused_verify each")
     parser.add_argument("--tp", type=int, default=1,
                         help="devices the heads and projections are split over "
                              "(Megatron-style tensor parallelism)")
@@ -918,7 +923,7 @@ def parse_args(argv=None):
             parser.error(f"--tp: expected a divisor of --heads ({args.heads}) and of the MLP "
                          f"width 2 x --dim ({2 * args.dim}), got {args.tp}")
         if args.layer_list:
-            parser.error("--tp: runs the stacked layers, not --layer-list")
+            parser.error("--tp: runs the stacked KDA layers, not --layer-list")
         # on CPU, one device more than the mesh's: see the module's docstring
         spare = int(jax.default_backend() == "cpu")
         if jax.device_count() < args.tp + spare:
@@ -943,8 +948,8 @@ def main(argv=None) -> int:
     resolved = args.backend
     if resolved == "auto":
         resolved = "cutedsl" if jax_kda.cutedsl_supported() else "jax"
-    form = ("a list of per-layer weights and caches" if args.layer_list else
-            "stacked, under lax.scan over layers")
+    form = ("per-layer KDA params and a list of caches" if args.layer_list else
+            "KDA params and cache stacked, the blocks' weights per layer")
     print(f"target: {config.layers} KDA layers of {config.heads} heads x {K}, dim "
           f"{config.dim}, vocab {config.vocab}, {form}; draft: the target's bigram (no layers)")
     print(f"decode: T={config.tokens}, batch {args.batch}, {args.requests} requests of "

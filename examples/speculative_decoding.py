@@ -298,20 +298,33 @@ def block_forward(block: Block, config: ModelConfig, h, kda_layer):
     return h, cache
 
 
-def forward(model: Model, config: ModelConfig, cache, tokens, kda_layer, layers=None):
+def forward(model: Model, config: ModelConfig, cache, tokens, kda_layer, rolled=False):
     """The target on tokens [B, N]: (hidden [B, N, D] before the final norm, cache).
 
     kda_layer(params, cache, x, f_a, beta, gate, layer) -> (out [B, N, H, K] bf16,
-    cache) runs one KDA layer (a verify, a prefill or the stock reference). The blocks
-    run in a straight line: with stacked KDA params and a stacked `KdaCache`,
-    kda_layer gets them whole and the layer index (layers[i], or i where layers is
-    None); with per-layer params and a list of caches, the layer's own with layer None.
+    cache) runs one KDA layer (a verify, a prefill or the stock reference). With stacked
+    KDA params and a stacked `KdaCache`, kda_layer gets them whole and the int32 layer
+    index; the blocks run in a straight line, or with `rolled` under `lax.scan` over
+    their weights stacked in the call (a copy of them: one program for all layers, its
+    compile flat in L). With per-layer params and a list of caches, one call per layer
+    with its own and layer None.
     """
     h = embedding(model, tokens)
+    if isinstance(cache, KdaCache) and rolled:
+        def step(carry, scanned):
+            h, cache = carry
+            block, i = scanned
+            return block_forward(block, config, h, functools.partial(
+                kda_layer, model.kda, cache, layer=i)), None
+
+        blocks = jax.tree.map(lambda *weights: jnp.stack(weights), *model.blocks)
+        layers = jnp.arange(config.layers, dtype=jnp.int32)
+        (h, cache), _ = jax.lax.scan(step, (h, cache), (blocks, layers))
+        return h, cache
     if isinstance(cache, KdaCache):
         for i, block in enumerate(model.blocks):
             h, cache = block_forward(block, config, h, functools.partial(
-                kda_layer, model.kda, cache, layer=i if layers is None else layers[i]))
+                kda_layer, model.kda, cache, layer=i))
         return h, cache
     caches = []
     for block, layer_cache in zip(model.blocks, cache):
@@ -441,11 +454,7 @@ def prefill_step(model: Model, cache, tokens, where, origin, lengths, resume, sl
         out, cache = jax_kda.prefill(params, cache, inputs, config.kda, layer=layer)
         return out.reshape(-1, *out.shape[2:])[origin][None], cache
 
-    # Each layer's KDA params at an index the compiler cannot fold: its gate projection
-    # (XLA's matmul, on a slice of the stacked params) is then one program for all
-    # layers, autotuned once, where a constant slice makes a program per layer.
-    layers = jax.lax.optimization_barrier(jnp.arange(config.layers, dtype=jnp.int32))
-    h, cache = forward(model, config, cache, tokens[None], layer, layers)
+    h, cache = forward(model, config, cache, tokens[None], layer, rolled=True)
     ends = jnp.take_along_axis(where, jnp.maximum(lengths - 1, 0)[:, None], axis=1)[:, 0]
     first, top, _ = greedy(logits_of(model, h[0, jnp.minimum(ends, tokens.shape[0] - 1)]))
     return cache, first, top

@@ -34,8 +34,8 @@ The scan's unroll (1: a while loop over the layers; True: the layers in a straig
 line) is tried both ways at the first batch, unless --unroll names it; the one with the
 lower GPU time per step is used from then on (within 2% of each other, the one with the
 cheaper new-batch compile): its rows have used = True. At the first batch the used
-scan also runs on a cache of SLOTS_CHECK slots (the same live rows): its step time must
-not depend on S.
+scan also runs on a cache of SLOTS_CHECK slots, or as many as a quarter of the device's
+memory holds (`check_slots`; the same live rows): its step time must not depend on S.
 
 Tensor parallel (--tp, default 1,2,4): the used scan with every layer's heads split
 over tp devices (`jax_kda.head_specs`), tp > 1 where the devices are there and tp
@@ -124,6 +124,16 @@ def operands(config: KdaConfig, layers: int, B: int, seed: int):
         random_cache(kc, config, B + SPARE, B + SPARE, layers=layers),
         random_inputs(ki, config, slots, slots - 1),
         random_accepted(np.random.default_rng(seed), slots, config.tokens)))
+
+
+def check_slots(cache) -> int:
+    """SLOTS_CHECK, or fewer where a cache of that many slots would take more than a
+    quarter of the device's memory (the step's buffers and XLA's beside it)."""
+    per_slot = sum(a.nbytes // a.shape[1] for a in (cache.state, cache.conv))
+    limit = (jax.devices()[0].memory_stats() or {}).get("bytes_limit")
+    if limit is None:
+        return SLOTS_CHECK
+    return max(cache.state.shape[1], min(SLOTS_CHECK, limit // 4 // per_slot))
 
 
 @functools.partial(jax.jit, static_argnums=1)
@@ -323,10 +333,11 @@ def run(args) -> list:
         for row in tried:
             row["used"] = row is used
         rows += tried
-        if B == args.batches[0]:  # the same step on a cache of SLOTS_CHECK slots
+        if B == args.batches[0]:  # the same step on a cache of many more slots
+            S = check_slots(cache)
             row, _ = measure_form(scan_step(config, L, args.backend, unroll), params,
-                                  with_slots(cache, SLOTS_CHECK), inputs, accepted)
-            rows.append(dict(common, form="scan", unroll=unroll, used=True, S=SLOTS_CHECK,
+                                  with_slots(cache, S), inputs, accepted)
+            rows.append(dict(common, form="scan", unroll=unroll, used=True, S=S,
                              check="slots", **row))
         used.update(layer_chain(config, L, params, cache, inputs))
         rows += tp_rows(args, config, unroll, (params, cache, inputs, accepted),

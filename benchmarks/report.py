@@ -55,8 +55,9 @@ layers. Command buffers: XLA's default (on) or `--xla_gpu_enable_command_buffer=
 (off), each setting in a process of its own. The scan's unroll is tried both ways at the
 first B (1: a while loop; True: the layers in a straight line) and the one with the
 lower GPU time per step is used (within 2%, the cheaper new-batch compile); the other is
-marked `not used`. The row at S = 1025 is the used scan at the first B on a cache of
-that many slots (the same live rows): the step must not depend on S.
+marked `not used`. The row of the larger S (1025, or what a quarter of the device's
+memory holds) is the used scan at the first B on a cache of that many slots (the same
+live rows): the step must not depend on S.
 """
 
 

@@ -29,12 +29,13 @@ layer=i)` on the whole stacked params and cache (i the layer index, nothing slic
 copied); accept the longest prefix of drafts that the target's argmax agrees with plus
 the target's next token; `jax_kda.accept` the count, once for all layers. Requests of
 different prompt lengths share the batch; a finished request frees its slot and a
-waiting one is prefilled into it (`jax_kda.prefill(..., layer=i)`, one donated jit);
-empty rows are padding. A prefill call computes the admitted prompts alone: in a power
-of two of rows, or a compiled prefill of up to PREFILL_PADDING times their rows (one
-compile per row count, at most log2(batch) + 2), in pieces of at most PREFILL_PIECE
-tokens packed one after another: R rows' call computes R * PREFILL_PIECE / PREFILL_PACK
-positions of the
+waiting one is prefilled into it (`jax_kda.prefill(..., layer=i)`, one donated jit,
+the blocks under `jax.lax.scan` over their weights stacked in the call: a copy of them,
+for a compile flat in L at every row count). Empty rows are padding. A prefill call
+computes the admitted prompts alone: in a power of two of rows, or a compiled prefill
+of up to PREFILL_PADDING times their rows (one compile per row count, at most
+log2(batch) + 2), in pieces of at most PREFILL_PIECE tokens packed one after another:
+R rows' call computes R * PREFILL_PIECE / PREFILL_PACK positions of the
 model around the KDA layers, which take them in rows; a longer prompt, or one cut short
 where the call's positions run out, resumes from the cache in the next call
 (`PrefillInputs.resume`). `--layer-list` runs the same model the unstacked way for

@@ -1,9 +1,11 @@
 """The speculative-decoding example at a tiny size: its tokens equal plain greedy decoding
 with the stock per-token recurrence (prompts longer than a prefill piece resuming from
-the cache), its prefill computes the admitted prompts' pieces only, its --layer-list path
+the cache), its prefill computes the admitted prompts' pieces only, rolled over the
+layers where its decode step runs them in a straight line, its --layer-list path
 gives the same tokens as the stacked one, its check notices a wrong token, with --tp 2
 (heads and projections split over two devices) its tokens are still plain greedy
 decoding's, and a second run loads every program from the compile cache."""
+import functools
 import importlib.util
 import os
 import pathlib
@@ -11,6 +13,7 @@ import re
 import subprocess
 import sys
 
+import jax
 import numpy as np
 import pytest
 
@@ -146,6 +149,21 @@ def test_time_decode_traces_the_full_batch_prefill(decoded):
 def test_prefill_rows(prompts, batch, compiled, rows):
     """A power of two at most the batch, or a compiled row count up to 4x the prompts."""
     assert example.prefill_rows(prompts, batch, compiled) == rows
+
+
+def test_the_prefill_rolls_the_layers_and_the_decode_step_does_not(decoded):
+    """The prefill's blocks run under one `lax.scan` of L steps (its compile flat in L),
+    the decode step's in a straight line over per-layer weights (no scan at its top)."""
+    _, _, _, engine = decoded
+    prefill = jax.make_jaxpr(functools.partial(example.prefill_step, config=CONFIG))(
+        *engine._prefill_args(2))
+    decode = jax.make_jaxpr(functools.partial(example.decode_step, config=CONFIG,
+                                              backend="jax"))(
+        engine.model, engine.cache, np.zeros(2, np.int32), *example.indices(np.arange(2)))
+    scans = lambda closed: [eqn.params["length"] for eqn in closed.jaxpr.eqns
+                            if eqn.primitive.name == "scan"]
+    assert scans(prefill) == [CONFIG.layers]
+    assert scans(decode) == []
 
 
 def test_layer_list_equals_stacked(decoded):

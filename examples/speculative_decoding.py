@@ -617,9 +617,11 @@ class Engine:
     def prefill(self, texts):
         """Prefills the batch rows whose token list in texts (one per row) is not empty;
         the others are left as they are. Returns (first [B] int32, top [B] f32) as
-        NumPy arrays: each prefilled row's first new token and its logit (0 elsewhere)."""
+        NumPy arrays: each prefilled row's first new token and its logit (0 elsewhere).
+        The calls are enqueued one after another, their results read after the last."""
         first, top = np.zeros(self.batch, np.int32), np.zeros(self.batch, np.float32)
         done = {row: 0 for row, text in enumerate(texts) if text}  # row: tokens prefilled
+        ended = []  # (row, its place in a call, that call's results on the device)
         while done:
             size = prefill_rows(len(done), self.batch, self.prefills)
             rows, pieces, room = [], [], self.tokens(size)
@@ -637,12 +639,15 @@ class Engine:
                 np.array(resume) if self.resumes else None, *indices(rows + [-1] * padding))
             self.prefill_calls += 1
             self.prefill_positions += self.tokens(size)
-            results = [np.asarray(result) for result in results]
+            for result in results:
+                result.copy_to_host_async()
             for i, (row, piece) in enumerate(zip(rows, pieces)):
                 done[row] += len(piece)
                 if done[row] == len(texts[row]):
                     del done[row]
-                    first[row], top[row] = results[0][i], results[1][i]
+                    ended.append((row, i, results))
+        for row, i, results in ended:
+            first[row], top[row] = (np.asarray(result)[i] for result in results)
         return first, top
 
     def _compiled_prefill(self, rows: int):

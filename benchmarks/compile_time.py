@@ -25,20 +25,14 @@ import subprocess
 import sys
 import time
 
-EXAMPLE = pathlib.Path(__file__).resolve().parents[1] / "examples" / "speculative_decoding.py"
+from kimi_example import add_size_flags, load_example, model_config
+
 OPTIONS = {  # name: XLA compile options
     "default": {},
     "no_triton_gemm": {"xla_gpu_enable_triton_gemm": False},  # cuBLAS, no Triton GEMMs
     "autotune_0": {"xla_gpu_autotune_level": 0},  # nothing autotuned
 }
 STEPS = 20  # decode steps under the profiler
-
-
-def load_example():
-    """The example as a module (examples/ is not a package: its folder on sys.path)."""
-    sys.path.insert(0, str(EXAMPLE.parent))
-    import speculative_decoding
-    return speculative_decoding
 
 
 def stages(jitted, args, options: dict) -> tuple[dict, object]:
@@ -68,8 +62,7 @@ def one(args) -> dict:
     from jax_kda.profiling import traced_steps
 
     example = load_example()
-    config = example.ModelConfig(vocab=args.vocab, dim=args.dim, layers=args.layers,
-                                 heads=args.heads, tokens=args.tokens)
+    config = model_config(example, args)
     model = example.init_model(0, config)
     B, L = args.batch, config.layers
     if args.form == "list":
@@ -108,13 +101,7 @@ def one(args) -> dict:
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--layers", type=int, default=20)
-    parser.add_argument("--heads", type=int, default=32)
-    parser.add_argument("--dim", type=int, default=2304)
-    parser.add_argument("--vocab", type=int, default=512)
-    parser.add_argument("--tokens", type=int, default=4)
-    parser.add_argument("--batch", type=int, default=1)
-    parser.add_argument("--max-prompt", type=int, default=512)
+    add_size_flags(parser, batch=1)
     parser.add_argument("--forms", default="stacked,list")
     parser.add_argument("--options", default="default,no_triton_gemm")
     parser.add_argument("--json", default=None)

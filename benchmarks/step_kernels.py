@@ -17,7 +17,8 @@ import collections
 import pathlib
 import sys
 
-EXAMPLE = pathlib.Path(__file__).resolve().parents[1] / "examples"
+from kimi_example import add_size_flags, load_example, model_config
+
 MATMUL_NAMES = ("gemm", "cublas", "cutlass", "dot")  # how XLA's matmul kernels are named
 
 
@@ -32,13 +33,7 @@ def kind(name: str) -> str:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--layers", type=int, default=20)
-    parser.add_argument("--heads", type=int, default=32)
-    parser.add_argument("--dim", type=int, default=2304)
-    parser.add_argument("--vocab", type=int, default=512)
-    parser.add_argument("--tokens", type=int, default=4)
-    parser.add_argument("--batch", type=int, default=16)
-    parser.add_argument("--max-prompt", type=int, default=512)
+    add_size_flags(parser, batch=16)
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--top", type=int, default=25, help="kernel names listed")
     parser.add_argument("--compile-cache", default=None)
@@ -51,13 +46,10 @@ def main(argv=None) -> int:
     import jax_kda
     from jax_kda.profiling import traced_kernels
 
-    sys.path.insert(0, str(EXAMPLE))
-    import speculative_decoding as example
-
+    example = load_example()
     if args.compile_cache:
         jax_kda.enable_compile_cache(args.compile_cache)
-    config = example.ModelConfig(vocab=args.vocab, dim=args.dim, layers=args.layers,
-                                 heads=args.heads, tokens=args.tokens)
+    config = model_config(example, args)
     engine = example.Engine(example.init_model(0, config), config, args.batch,
                             args.max_prompt)
     first, _ = engine.prefill(example.random_prompts(0, args.batch, args.max_prompt,

@@ -74,7 +74,7 @@ def main(argv=None) -> int:
     for kernel in kernels:
         us[kernel.name] += 1e-3 * (kernel.end_ns - kernel.start_ns) / args.steps
         launches[kernel.name] += 1 / args.steps
-    span = 1e-3 * (kernels[-1].end_ns - kernels[0].start_ns) / args.steps
+    span = 1e-3 * (max(k.end_ns for k in kernels) - kernels[0].start_ns) / args.steps
     print(f"{config.layers} layers of {config.heads} heads, dim {config.dim}, B = "
           f"{args.batch}, T = {config.tokens} on {jax.devices()[0].device_kind}: "
           f"{sum(launches.values()):.0f} kernels a step, {span:.1f} us a step from the "

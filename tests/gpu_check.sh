@@ -6,6 +6,7 @@
 set -u
 limit=${1:-300}
 logs=${2:-$(mktemp -d)}
+mkdir -p "$logs"
 python=${PYTHON:-python3}
 export XLA_PYTHON_CLIENT_PREALLOCATE=false KDA_GPU_LOG=$logs/errors.jsonl PYTHONUNBUFFERED=1
 work=$(mktemp -d)

@@ -187,34 +187,50 @@ class Model(NamedTuple):
     kda: KdaParams | None
 
 
-@functools.partial(jax.jit, static_argnums=1)  # one program, not an op at a time
 def init_model(seed: int, config: ModelConfig) -> Model:
     """Deterministic random weights, the KDA params stacked: projections scaled by
     fan-in, KDA weights from `jax_kda.testing.random_params` (spread like a trained
-    layer's)."""
-    D, H, V = config.dim, config.heads, config.vocab
-    keys = iter(jax.random.split(jax.random.key(seed, impl="rbg"), 2 + 10 * config.layers))
-    dense = lambda rows, *cols, gain=1.0: (gain * rows**-0.5 * jax.random.normal(
-        next(keys), (rows, *cols), jnp.float32)).astype(jnp.bfloat16)
-    blocks = [
-        Block(
-            norm=jnp.ones((D,), jnp.float32),
-            projections=KdaProjections(
-                w_in=fuse_inputs(dense(D, 3, H, K), dense(D, H), dense(D, K), dense(D, K)),
-                w_gate=dense(K, H * K),
-                gate_bias=jax.random.normal(next(keys), (H, K), jnp.float32),
-                w_out=dense(H * K, D, gain=config.residual_gain)),
-            kda=random_params(next(keys), config.kda),
-            mlp_norm=jnp.ones((D,), jnp.float32),
-            w_up=dense(D, 2 * D),
-            w_down=dense(2 * D, D, gain=config.residual_gain),
-        )
-        for _ in range(config.layers)]
-    return Model(embed=jax.random.normal(next(keys), (V, D)).astype(jnp.bfloat16),
-                 blocks=tuple(block._replace(kda=None) for block in blocks),
-                 final_norm=jnp.ones((D,), jnp.float32), unembed=dense(D, V).T,
-                 kda=jax.tree.map(lambda *leaves: jnp.stack(leaves),
-                                  *(block.kda for block in blocks)))
+    layer's). One compiled program draws a block, called once a layer: its compile does
+    not grow with the layers, as one program of them all did (docs/performance.md)."""
+    key, *layers = jax.random.split(jax.random.key(seed, impl="rbg"), 1 + config.layers)
+    blocks = [init_block(layer, config) for layer in layers]
+    return init_ends(key, config)._replace(
+        blocks=tuple(block._replace(kda=None) for block in blocks),
+        kda=jax.tree.map(lambda *leaves: jnp.stack(leaves), *(block.kda for block in blocks)))
+
+
+def dense(key, rows, *cols, gain=1.0):
+    """[rows, *cols] bf16 weights, normal with variance gain^2 / rows (fan-in)."""
+    return (gain * rows**-0.5 * jax.random.normal(key, (rows, *cols))).astype(jnp.bfloat16)
+
+
+@functools.partial(jax.jit, static_argnums=1)
+def init_block(key, config: ModelConfig) -> Block:
+    """One block's random weights, its `KdaParams` in `kda`."""
+    D, H = config.dim, config.heads
+    keys = iter(jax.random.split(key, 10))
+    return Block(
+        norm=jnp.ones((D,), jnp.float32),
+        projections=KdaProjections(
+            w_in=fuse_inputs(dense(next(keys), D, 3, H, K), dense(next(keys), D, H),
+                             dense(next(keys), D, K), dense(next(keys), D, K)),
+            w_gate=dense(next(keys), K, H * K),
+            gate_bias=jax.random.normal(next(keys), (H, K), jnp.float32),
+            w_out=dense(next(keys), H * K, D, gain=config.residual_gain)),
+        kda=random_params(next(keys), config.kda),
+        mlp_norm=jnp.ones((D,), jnp.float32),
+        w_up=dense(next(keys), D, 2 * D),
+        w_down=dense(next(keys), 2 * D, D, gain=config.residual_gain))
+
+
+@functools.partial(jax.jit, static_argnums=1)
+def init_ends(key, config: ModelConfig) -> Model:
+    """The embedding, final norm and unembedding; no blocks yet."""
+    embed_key, unembed_key = jax.random.split(key)
+    D, V = config.dim, config.vocab
+    return Model(embed=jax.random.normal(embed_key, (V, D)).astype(jnp.bfloat16),
+                 blocks=(), final_norm=jnp.ones((D,), jnp.float32),
+                 unembed=dense(unembed_key, D, V).T, kda=None)
 
 
 def unstacked(model: Model, config: ModelConfig) -> Model:
@@ -970,7 +986,10 @@ def main(argv=None) -> int:
     print(f"decode: T={config.tokens}, batch {args.batch}, {args.requests} requests of "
           f"{args.new_tokens} new tokens, prompts of 1..{args.max_prompt}; fused_verify "
           f"backend {resolved} ({args.backend}) on {args.tp} x {jax.devices()[0].device_kind}")
-    model = init_model(args.seed, config)
+    tick = time.perf_counter()
+    model = jax.block_until_ready(init_model(args.seed, config))
+    print(f"weights: {sum(a.nbytes for a in jax.tree.leaves(model)) / 1e6:.1f} MB drawn "
+          f"at random in {time.perf_counter() - tick:.1f} s")
     prompts = random_prompts(args.seed, args.requests, args.max_prompt, config.vocab)
     status, means = 0, {}
     for name in drafts:

@@ -330,6 +330,7 @@ class FusedVerify(Kernel):
             cute.arch.cluster_wait()  # every CTA of the item has read the old records
         self.stamp(timeline, Phase.CLUSTER_SYNCED, tid)
         self.write_records(ptr, activations, smem, item, base, head, rank, tid)
+        cute.arch.barrier()  # the window copied out: Gamma q's last rows lie over it
         self.vectors(smem, activations, n, rank, tid)
         low_rank = self.low_rank(smem, n, write, tid)
         self.stamp(timeline, Phase.VECTORS_READY, tid)

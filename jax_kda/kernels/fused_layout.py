@@ -53,8 +53,9 @@ class FusedLayout:
 
     def early_buffers(self):
         """Staged operands read before the state pass: the inputs x [T, 3, K] and the
-        window [3, K, W], last: it is copied out while section 0 writes the first late
-        buffer, which x outsizes. (The records are staged over old_decays:
+        window [3, K, W], last: the first late buffer (8 T K bytes) outsizes x (6 T K)
+        and lies over the window's first bytes, so it is written once the window is
+        copied out (a CTA barrier between). (The records are staged over old_decays:
         `FusedVerify.records`.)"""
         T, W = self.tokens, self.config.window
         return [("bfloat16", (T, 3, K)), ("bfloat16", (3, K, W))]

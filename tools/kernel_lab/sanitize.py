@@ -14,6 +14,8 @@ compute-sanitizer the same command checks the kernels of every split in one proc
 
     JAX_PLATFORMS=cpu compute-sanitizer --tool memcheck python tools/kernel_lab/sanitize.py \
         [CASE [SPLIT ...]]    (default: chain at splits 1, 2, 4, 8)
+
+With CUTE_DSL_LINEINFO=1 the kernels carry their Python lines: each report names them.
 """
 import dataclasses
 import pathlib

@@ -4,8 +4,8 @@ decode steps under JAX's profiler; each kernel name's time per step and launches
 step, summed by kind: jax-kda's kernels, XLA's matmuls (its GEMM fusions and library
 calls), and XLA's other fusions and copies. With `--prefill` the same of a full batch's
 prefill (`--steps` of them, each of the calls an admission of B fresh prompts makes).
-With `--hlo FILE` the compiled step's HLO text is written there, to tell which matmul a
-fusion's name is.
+With `--hlo FILE` the compiled step's HLO text (the prefill's: its block program's) is
+written there, to tell which matmul a fusion's name is.
 
     python benchmarks/step_kernels.py [--layers 20 --heads 32 --dim 2304 --batch 16]
         [--steps 10] [--prefill] [--top 25] [--compile-cache DIR] [--hlo step.hlo.txt]
@@ -74,7 +74,7 @@ def main(argv=None) -> int:
     run()  # compiled and warm
     kernels = traced_kernels(run)
     if args.hlo:
-        program = max(engine.prefills.items())[1] if args.prefill else engine._decode
+        program = max(engine.prefills.items())[1].block if args.prefill else engine._decode
         pathlib.Path(args.hlo).write_text(program.as_text())
     if not kernels:
         print(f"no GPU activity in the trace on {jax.default_backend()}: a GPU only")

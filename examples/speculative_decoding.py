@@ -315,29 +315,17 @@ def block_forward(block: Block, config: ModelConfig, h, kda_layer):
     return h, cache
 
 
-def forward(model: Model, config: ModelConfig, cache, tokens, kda_layer, rolled=False):
-    """The target on tokens [B, N]: (hidden [B, N, D] before the final norm, cache).
+def forward(model: Model, config: ModelConfig, cache, tokens, kda_layer):
+    """The target on tokens [B, N]: (hidden [B, N, D] before the final norm, cache), the
+    blocks in a straight line.
 
     kda_layer(params, cache, x, f_a, beta, gate, layer) -> (out [B, N, H, K] bf16,
-    cache) runs one KDA layer (a verify, a prefill or the stock reference). With stacked
-    KDA params and a stacked `KdaCache`, kda_layer gets them whole and the int32 layer
-    index; the blocks run in a straight line, or with `rolled` under `lax.scan` over
-    their weights stacked in the call (a copy of them: one program for all layers, its
-    compile flat in L). With per-layer params and a list of caches, one call per layer
-    with its own and layer None.
+    cache) runs one KDA layer (a verify or the stock reference). With stacked KDA params
+    and a stacked `KdaCache`, kda_layer gets them whole and the layer index; with
+    per-layer params and a list of caches, one call per layer with its own and layer
+    None.
     """
     h = embedding(model, tokens)
-    if isinstance(cache, KdaCache) and rolled:
-        def step(carry, scanned):
-            h, cache = carry
-            block, i = scanned
-            return block_forward(block, config, h, functools.partial(
-                kda_layer, model.kda, cache, layer=i)), None
-
-        blocks = jax.tree.map(lambda *weights: jnp.stack(weights), *model.blocks)
-        layers = jnp.arange(config.layers, dtype=jnp.int32)
-        (h, cache), _ = jax.lax.scan(step, (h, cache), (blocks, layers))
-        return h, cache
     if isinstance(cache, KdaCache):
         for i, block in enumerate(model.blocks):
             h, cache = block_forward(block, config, h, functools.partial(
@@ -451,30 +439,76 @@ def decode_step(model: Model, cache, last, slots, record_rows, *, config: ModelC
     return cache, target, accepted, top, newest
 
 
-def prefill_step(model: Model, cache, tokens, where, origin, lengths, resume, slots,
-                 record_rows, *, config: ModelConfig):
-    """Prefills pieces of prompts packed in tokens [N] into their slots: the model around
-    the KDA layers computes the N tokens alone; each KDA layer takes them in rows [B, P]
-    (where [B, P]: each row position's index in tokens, N for none; origin [N]: each
-    token's row position b * P + p), row b holding lengths [B] tokens. A row with resume
-    [B] True continues its prompt from the cache (`PrefillInputs.resume`), the others
-    (every row where resume is None) start one; padding rows have slot 0.
+class Prefill(NamedTuple):
+    """A prefill call's programs (or their arguments, or their compiled forms): `embed`
+    starts the residual stream of the call's packed tokens, `block` runs one block and
+    its KDA layer's prefill, once a layer on that layer's weights (one program for every
+    layer: its compile is flat in L, and no weight is copied), `first` reads each
+    piece's next token."""
 
-    Returns (cache, first [B], top [B]): the target's argmax after each piece's last
-    token (a request's first new token where the piece ends its prompt), and its logit.
-    """
+    embed: object
+    block: object
+    first: object
+
+
+def prefill_embed(ends: Model, tokens):
+    """A prefill call's tokens [N] (the pieces packed one after another) -> h [1, N, D]
+    f32. ends: the model without its blocks (`model_ends`)."""
+    return embedding(ends, tokens[None])
+
+
+def prefill_block(params, cache, h, where, origin, lengths, resume, slots, record_rows,
+                  layer, *, config: ModelConfig):
+    """One block of a prefill call on h [1, N, D] f32, the call's packed positions: the
+    model around the KDA layer computes the N positions alone; the KDA layer takes them in
+    rows [B, P] (where [B, P]: each row position's index in the N, N for none; origin [N]:
+    each position's row position b * P + p), row b holding lengths [B] tokens. A row with
+    resume [B] True continues its prompt from the cache (`PrefillInputs.resume`), the
+    others (every row where resume is None) start one; padding rows have slot 0.
+    params: (the block's weights, the KDA params: the stacked ones with `layer` the int32
+    layer index, or the block's own with layer None and its own cache).
+
+    Returns (cache, h after the block)."""
+    block, kda = params
     rows = lambda a: jnp.take(a[0], where, axis=0, mode="fill", fill_value=0)
 
-    def layer(params, cache, x, f_a, beta, gate, layer):
+    def kda_layer(x, f_a, beta, gate):
         inputs = PrefillInputs(*map(rows, (x, f_a, beta, gate)), lengths, slots,
                                record_rows, resume)
-        out, cache = jax_kda.prefill(params, cache, inputs, config.kda, layer=layer)
-        return out.reshape(-1, *out.shape[2:])[origin][None], cache
+        out, prefilled = jax_kda.prefill(kda, cache, inputs, config.kda, layer=layer)
+        return out.reshape(-1, *out.shape[2:])[origin][None], prefilled
 
-    h, cache = forward(model, config, cache, tokens[None], layer, rolled=True)
-    ends = jnp.take_along_axis(where, jnp.maximum(lengths - 1, 0)[:, None], axis=1)[:, 0]
-    first, top, _ = greedy(logits_of(model, h[0, jnp.minimum(ends, tokens.shape[0] - 1)]))
-    return cache, first, top
+    h, cache = block_forward(block, config, h, kda_layer)
+    return cache, h
+
+
+def prefill_first(ends: Model, h, where, lengths):
+    """(first [B], top [B]): the target's argmax after each row's last position in h [1,
+    N, D] (a request's first new token where the piece ends its prompt), and its logit."""
+    last = jnp.take_along_axis(where, jnp.maximum(lengths - 1, 0)[:, None], axis=1)[:, 0]
+    first, top, _ = greedy(logits_of(ends, h[0, jnp.minimum(last, h.shape[1] - 1)]))
+    return first, top
+
+
+def prefill_programs(config: ModelConfig) -> Prefill:
+    """The prefill's programs, jitted: `block` donates the cache and h."""
+    return Prefill(embed=jax.jit(prefill_embed),
+                   block=jax.jit(functools.partial(prefill_block, config=config),
+                                 donate_argnums=(1, 2)),
+                   first=jax.jit(prefill_first))
+
+
+def model_ends(model: Model) -> Model:
+    """The model without its blocks: what the embedding and the logits read."""
+    return model._replace(blocks=(), kda=None)
+
+
+def layer_params(model: Model) -> list:
+    """Each layer's (params, layer) for `prefill_block`: its block's weights with the
+    stacked KDA params and its int32 index, or (unstacked) with its own and None."""
+    if model.kda is None:
+        return [((block._replace(kda=None), block.kda), None) for block in model.blocks]
+    return [((block, model.kda), np.int32(i)) for i, block in enumerate(model.blocks)]
 
 
 @functools.partial(jax.jit, static_argnames="config")
@@ -537,10 +571,17 @@ def prefill_resumes(batch: int, max_prompt: int, piece: int) -> bool:
     return max_prompt > piece or prefill_tokens(batch, piece) < batch * piece
 
 
-def prefill_args(model: Model, cache, rows: int, piece: int, resumes: bool):
-    """`prefill_step`'s arguments for a call of `rows` rows (padding), as it compiles."""
-    return (model, cache, *pack([], rows, piece, prefill_tokens(rows, piece)),
-            np.zeros(rows, bool) if resumes else None, *indices(np.full(rows, -1)))
+def prefill_args(model: Model, cache, rows: int, piece: int, resumes: bool) -> Prefill:
+    """The prefill programs' arguments for a call of `rows` rows (padding), as they
+    compile (the block's of the first layer)."""
+    tokens, where, origin, lengths = pack([], rows, piece, prefill_tokens(rows, piece))
+    ends, (params, layer) = model_ends(model), layer_params(model)[0]
+    h = jax.ShapeDtypeStruct((1, len(tokens), model.embed.shape[1]), jnp.float32)
+    return Prefill(embed=(ends, tokens),
+                   block=(params, cache[0] if isinstance(cache, list) else cache, h, where,
+                          origin, lengths, np.zeros(rows, bool) if resumes else None,
+                          *indices(np.full(rows, -1)), layer),
+                   first=(ends, h, where, lengths))
 
 
 def round_up(n, multiple=16):
@@ -597,25 +638,28 @@ class Engine:
         else:
             self.model, self.cache = model, jax_kda.init_cache(kda, batch + 1, batch, layers=L)
         local = config if tp == 1 else shard_config(config, tp)
-        prefill = functools.partial(prefill_step, config=local)
+        self._prefill, self.prefills = prefill_programs(local), {}
         decode = functools.partial(decode_step, config=local, backend=backend)
         if tp > 1:
             mesh = jax.make_mesh((tp,), (TP_AXIS,))
             self.model = shard_model(self.model, mesh)
             specs = model_specs(self.model), jax_kda.head_specs(self.cache, TP_AXIS)
             self.cache = place(self.cache, specs[1], mesh)
-            prefill = tensor_parallel(prefill, mesh, specs, inputs=7, outputs=2)
+            block = tensor_parallel(functools.partial(prefill_block, config=local), mesh,
+                                    ((specs[0].blocks[0], specs[0].kda), specs[1]),
+                                    inputs=8, outputs=1)
+            self._prefill = self._prefill._replace(block=jax.jit(block, donate_argnums=(1, 2)))
             decode = tensor_parallel(decode, mesh, specs, inputs=3, outputs=4)
-        self._prefill_step, self.prefills = jax.jit(prefill, donate_argnums=1), {}
+        self._ends, self._layers = model_ends(self.model), layer_params(self.model)
         tick = time.perf_counter()
         decode = jax.jit(decode, donate_argnums=1).trace(
             self.model, self.cache, np.zeros(batch, np.int32), *indices(np.full(batch, -1)))
         self.kernels, self._traced = 0, {}
         if backend != "jax" and jax_kda.cutedsl_supported():
-            # the step's and the prefill's kernels, in parallel processes; the prefill
-            # traced at the rows of a full batch's admission, its first call
+            # the step's and the prefill's kernels, in parallel processes; the prefill's
+            # block traced at the rows of a full batch's admission, its first call
             rows = prefill_rows(batch, batch)
-            self._traced[rows] = self._prefill_step.trace(*self._prefill_args(rows))
+            self._traced[rows] = self._prefill.block.trace(*self._prefill_args(rows).block)
             self.kernels = jax_kda.compile_kernels(decode, self._traced[rows])
         self._decode = decode.lower().compile()
         self.decode_compile_s = time.perf_counter() - tick
@@ -650,8 +694,8 @@ class Engine:
                 room -= len(pieces[-1])
             padding = size - len(rows)
             resume = [done[row] > 0 for row in rows] + [False] * padding
-            self.cache, *results = self._compiled_prefill(size)(
-                self.model, self.cache, *pack(pieces, size, self.piece, self.tokens(size)),
+            results = self._prefill_call(
+                self._compiled_prefill(size), *pack(pieces, size, self.piece, self.tokens(size)),
                 np.array(resume) if self.resumes else None, *indices(rows + [-1] * padding))
             self.prefill_calls += 1
             self.prefill_positions += self.tokens(size)
@@ -666,13 +710,30 @@ class Engine:
             first[row], top[row] = (np.asarray(result)[i] for result in results)
         return first, top
 
-    def _compiled_prefill(self, rows: int):
-        """The prefill of `rows` rows, compiled at its first use."""
+    def _prefill_call(self, programs: Prefill, tokens, *rows):
+        """One prefill call (rows: `prefill_block`'s where .. record_rows), its programs
+        enqueued: the blocks one after another on the cache. Returns (first, top) on the
+        device."""
+        where, _, lengths, *_ = rows = [  # on the device once, not once a layer
+            a if a is None else jax.device_put(a, sharding)
+            for a, sharding in zip(rows, programs.block.input_shardings[0][3:9])]
+        h = programs.embed(self._ends, tokens)
+        for i, (params, layer) in enumerate(self._layers):
+            if isinstance(self.cache, list):
+                self.cache[i], h = programs.block(params, self.cache[i], h, *rows, layer)
+            else:
+                self.cache, h = programs.block(params, self.cache, h, *rows, layer)
+        return programs.first(self._ends, h, where, lengths)
+
+    def _compiled_prefill(self, rows: int) -> Prefill:
+        """The prefill's programs at `rows` rows, compiled at their first use."""
         if rows not in self.prefills:
             tick = time.perf_counter()
-            traced = self._traced.pop(rows, None) or self._prefill_step.trace(
-                *self._prefill_args(rows))
-            self.prefills[rows] = traced.lower().compile()
+            args, block = self._prefill_args(rows), self._traced.pop(rows, None)
+            traced = Prefill(self._prefill.embed.trace(*args.embed),
+                             block or self._prefill.block.trace(*args.block),
+                             self._prefill.first.trace(*args.first))
+            self.prefills[rows] = Prefill(*(t.lower().compile() for t in traced))
             self.prefill_compile_s += time.perf_counter() - tick
         return self.prefills[rows]
 

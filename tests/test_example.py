@@ -1,10 +1,10 @@
 """The speculative-decoding example at a tiny size: its tokens equal plain greedy decoding
 with the stock per-token recurrence (prompts longer than a prefill piece resuming from
-the cache), its prefill computes the admitted prompts' pieces only, rolled over the
-layers where its decode step runs them in a straight line, its --layer-list path
-gives the same tokens as the stacked one, its check notices a wrong token, with --tp 2
-(heads and projections split over two devices) its tokens are still plain greedy
-decoding's, and a second run loads every program from the compile cache."""
+the cache), its prefill computes the admitted prompts' pieces only, one block's program
+called once a layer where its decode step runs the blocks in a straight line, its
+--layer-list path gives the same tokens as the stacked one, its check notices a wrong
+token, with --tp 2 (heads and projections split over two devices) its tokens are still
+plain greedy decoding's, and a second run loads every program from the compile cache."""
 import functools
 import importlib.util
 import os
@@ -88,9 +88,9 @@ def test_prefill_packs_the_pieces(decoded, monkeypatch):
     texts = [rng.integers(1, CONFIG.vocab, n).tolist() for n in (5, 30, 2, 17)]
     engine = example.Engine(model, CONFIG, batch=4, max_prompt=30, backend="jax",
                             piece=PIECE)
-    calls, compiled = [], engine._compiled_prefill
-    monkeypatch.setattr(engine, "_compiled_prefill", lambda rows: lambda *args: (
-        calls.append(args[2:]) or compiled(rows)(*args)))
+    calls, call = [], engine._prefill_call
+    monkeypatch.setattr(engine, "_prefill_call", lambda programs, *args: (
+        calls.append(args) or call(programs, *args)))
     first, _ = engine.prefill(texts)
     seen = [[] for _ in texts]
     for tokens, where, origin, lengths, resume, slots, _ in calls:
@@ -159,19 +159,40 @@ def test_prefill_rows(prompts, batch, compiled, rows):
     assert example.prefill_rows(prompts, batch, compiled) == rows
 
 
-def test_the_prefill_rolls_the_layers_and_the_decode_step_does_not(decoded):
-    """The prefill's blocks run under one `lax.scan` of L steps (its compile flat in L),
-    the decode step's in a straight line over per-layer weights (no scan at its top)."""
-    _, _, _, engine = decoded
-    prefill = jax.make_jaxpr(functools.partial(example.prefill_step, config=CONFIG))(
-        *engine._prefill_args(2))
+class Counted:
+    """A compiled program that records the first argument of each call."""
+
+    def __init__(self, compiled):
+        self.compiled, self.input_shardings, self.firsts = compiled, compiled.input_shardings, []
+
+    def __call__(self, first, *args):
+        self.firsts.append(first)
+        return self.compiled(first, *args)
+
+
+@pytest.mark.parametrize("layer_list", [False, True])
+def test_the_prefill_runs_one_block_program_a_layer(layer_list, monkeypatch):
+    """A prefill call runs its one compiled block once a layer, in order, on that layer's
+    own weights (the very arrays of the model: none stacked or copied) with the stacked
+    KDA params and the layer's index, or (per-layer) its own; the decode step's blocks
+    run in a straight line (no scan at its top)."""
+    model = example.init_model(3, CONFIG)
+    engine = example.Engine(model, CONFIG, batch=2, max_prompt=8, backend="jax",
+                            layer_list=layer_list, piece=PIECE)
+    programs = engine._compiled_prefill(1)
+    block = Counted(programs.block)
+    monkeypatch.setitem(engine.prefills, 1, programs._replace(block=block))
+    engine.prefill([[1, 2, 3], []])
+    assert len(block.firsts) == CONFIG.layers
+    for i, (weights, kda) in enumerate(block.firsts):
+        assert weights.w_up is engine.model.blocks[i].w_up
+        assert kda is (engine.model.blocks[i].kda if layer_list else engine.model.kda)
+    assert [layer for _, layer in engine._layers] == (
+        [None] * CONFIG.layers if layer_list else list(range(CONFIG.layers)))
     decode = jax.make_jaxpr(functools.partial(example.decode_step, config=CONFIG,
                                               backend="jax"))(
         engine.model, engine.cache, np.zeros(2, np.int32), *example.indices(np.arange(2)))
-    scans = lambda closed: [eqn.params["length"] for eqn in closed.jaxpr.eqns
-                            if eqn.primitive.name == "scan"]
-    assert scans(prefill) == [CONFIG.layers]
-    assert scans(decode) == []
+    assert not [eqn for eqn in decode.jaxpr.eqns if eqn.primitive.name == "scan"]
 
 
 def test_layer_list_equals_stacked(decoded):

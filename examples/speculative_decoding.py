@@ -29,13 +29,14 @@ layer=i)` on the whole stacked params and cache (i the layer index, nothing slic
 copied); accept the longest prefix of drafts that the target's argmax agrees with plus
 the target's next token; `jax_kda.accept` the count, once for all layers. Requests of
 different prompt lengths share the batch; a finished request frees its slot and a
-waiting one is prefilled into it (`jax_kda.prefill(..., layer=i)`, one donated jit,
-the blocks under `jax.lax.scan` over their weights stacked in the call: a copy of them,
-for a compile flat in L at every row count). Empty rows are padding. A prefill call
-computes the admitted prompts alone: in a power of two of rows, or a compiled prefill
-of up to PREFILL_PADDING times their rows (one compile per row count, at most
-log2(batch) + 2), in pieces of at most PREFILL_PIECE tokens packed one after another:
-R rows' call computes R * PREFILL_PIECE / PREFILL_PACK positions of the
+waiting one is prefilled into it (`jax_kda.prefill(..., layer=i)`): a prefill call is
+one compiled block, the cache and the residual stream donated, called once a layer on
+that layer's weights (its compile flat in L at every row count, no weight stacked or
+copied), between the embedding's program and the first tokens'. Empty rows are
+padding. A prefill call computes the admitted prompts alone: in a power of two of rows,
+or a compiled prefill of up to PREFILL_PADDING times their rows (one compile per row
+count, at most log2(batch) + 2), in pieces of at most PREFILL_PIECE tokens packed one
+after another: R rows' call computes R * PREFILL_PIECE / PREFILL_PACK positions of the
 model around the KDA layers, which take them in rows; a longer prompt, or one cut short
 where the call's positions run out, resumes from the cache in the next call
 (`PrefillInputs.resume`). `--layer-list` runs the same model the unstacked way for
@@ -61,13 +62,13 @@ holds H / N heads of every KDA layer (its slices of `KdaParams` and of the cache
 heads' q, k, v and beta, beside the gates' low-rank columns, which every device holds),
 of the output gate's up-projection and of the MLP's up projection (column-parallel),
 and rows of the output and down projections (row-parallel), whose partial sums are
-all-reduced: one all-reduce per KDA block and one per MLP block. The prefill and the
-decode step are one `jax.shard_map` each, the KDA layers called with the per-device
-config (`jax_kda.local_config`); the embeddings, norms, the gates' low-rank activations
-and the draft are whole on every device. On CPU, give XLA more than N devices (2N, say): jaxlib's
-batched LAPACK kernels (the prefill's triangular solves) wait inside XLA:CPU's thread
-pool, of a thread per device on a machine of fewer cores, which N devices waiting at once
-stall; with N devices the example refuses to start.
+all-reduced: one all-reduce per KDA block and one per MLP block. The prefill's block
+and the decode step are one `jax.shard_map` each, the KDA layers called with the
+per-device config (`jax_kda.local_config`); the embeddings, norms, the gates' low-rank
+activations and the draft are whole on every device. On CPU, give XLA more than N
+devices (2N, say): jaxlib's batched LAPACK kernels (the prefill's triangular solves)
+wait inside XLA:CPU's thread pool, of a thread per device on a machine of fewer cores,
+which N devices waiting at once stall; with N devices the example refuses to start.
 
 The decode loop keeps the device busy: each step is enqueued from the step before's
 newest tokens on the device, before the host reads that step's tokens (copied to the

@@ -547,8 +547,9 @@ def padded(rows, width):
 
 def pack(pieces, rows: int, width: int, tokens: int):
     """Pieces (token lists: at most `rows`, each at most `width` tokens, `tokens` in all
-    at most) -> `prefill_step`'s (tokens [tokens], where [rows, width], origin [tokens],
-    lengths [rows]) int32: the pieces one after another, zeros after them."""
+    at most) -> a prefill call's (tokens [tokens] for `prefill_embed`; where [rows, width],
+    origin [tokens], lengths [rows] for `prefill_block`) int32: the pieces one after
+    another, zeros after them."""
     packed, origin = np.zeros(tokens, np.int32), np.zeros(tokens, np.int32)
     where = np.full((rows, width), tokens, np.int32)
     lengths, start = np.zeros(rows, np.int32), 0

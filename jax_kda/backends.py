@@ -12,7 +12,8 @@ A plan holds one choice for a program lowered for CUDA and one for every other
 platform: "jax" is XLA on both, "cutedsl" the kernels on both (they raise a clear error
 when lowered for anything but CUDA), "auto" the kernels on CUDA where they suit the
 config and XLA elsewhere, chosen when the program is lowered
-(`jax.lax.platform_dependent`): a step exported for ["cuda", "cpu"] carries both.
+(`jax.lax.platform_dependent`): a step exported for ["cuda", "cpu"] carries both, and
+the XLA branch beside a kernel is traced only where a program keeps it (`deferred`).
 """
 from __future__ import annotations
 
@@ -24,6 +25,7 @@ import jax.numpy as jnp
 
 from jax_kda import prompt_chunks, xla
 from jax_kda.config import SPLITS, KdaConfig
+from jax_kda.deferred import deferred
 from jax_kda.layer import Prompt, convolved, gate_projection
 from jax_kda.pytrees import KdaParams
 from jax_kda.steps import prompt_step
@@ -70,11 +72,23 @@ def check_backend(backend: str) -> None:
 
 def by_platform(cuda, other, *args, config: KdaConfig):
     """cuda(*args, config=config) where the program is lowered for CUDA, other(...) on
-    every other platform; one call where the two are the same."""
+    every other platform; one call where the two are the same. `other` is traced only
+    where a program is lowered for another platform (`deferred`): a step traced for a
+    GPU pays for tracing the kernel's branch alone."""
     if cuda == other:
         return cuda(*args, config=config)
-    return jax.lax.platform_dependent(*args, cuda=functools.partial(cuda, config=config),
-                                      default=functools.partial(other, config=config))
+    results = []  # the CUDA branch's results, traced first: the other branch's types
+
+    def cuda_branch(*args):
+        results.append(cuda(*args, config=config))
+        return results[-1]
+
+    def other_branch(*args):
+        if not results:  # branches traced in another order: trace `other` now
+            return other(*args, config=config)
+        return deferred(functools.partial(other, config=config), results[-1], *args)
+
+    return jax.lax.platform_dependent(*args, cuda=cuda_branch, default=other_branch)
 
 
 # --- the verify

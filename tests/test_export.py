@@ -20,6 +20,7 @@ from jax import export  # noqa: E402
 from compare import assert_same_bits  # noqa: E402
 from jax_kda import KdaConfig, PrefillInputs, fused_verify, prefill  # noqa: E402
 from jax_kda.backends import cutedsl_supported, kernel_available  # noqa: E402
+from jax_kda.deferred import deferred  # noqa: E402
 from jax_kda.ffi import lowering  # noqa: E402
 from jax_kda.testing import random_parents  # noqa: E402
 
@@ -118,6 +119,52 @@ def test_one_artifact_for_cuda_and_cpu(name, draw):
     assert kernel_calls(artifact) == KERNELS[name]
     assert_same_results(artifact.call(*args),
                         jax.jit(functools.partial(step, backend="jax"))(*args))
+
+
+def equations(jaxpr) -> list:
+    """The primitives' names of `jaxpr`'s equations and of those inside them."""
+    names = []
+    for eqn in jaxpr.eqns:
+        names.append(eqn.primitive.name)
+        for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+            names += equations(sub)
+    return names
+
+
+@pytest.mark.parametrize("name", list(STEPS))
+def test_auto_traces_the_xla_branch_only_where_lowered(name, draw):
+    """Traced, backend="auto" holds the kernels' branch and its XLA branch as one
+    deferred equation: no more equations than backend="cutedsl" but the platform's
+    choice, where the XLA path alone traces hundreds."""
+    step, args = STEPS[name](draw)
+    traced = {backend: equations(jax.make_jaxpr(functools.partial(step, backend=backend))(
+        *args).jaxpr) for backend in ("auto", "cutedsl", "jax")}
+    assert traced["auto"].count("kda_deferred") == 1
+    assert len(traced["auto"]) <= len(traced["cutedsl"]) + 3  # platform_index, cond, deferred
+    assert len(traced["jax"]) > 2 * len(traced["cutedsl"])
+
+
+def test_deferred_traces_its_function_when_lowered_or_run():
+    """`deferred(fun, like, *args)` is fun(*args) typed as `like`: tracing it calls no
+    fun, lowering (or running it eagerly) calls fun once, results as fun's; results of
+    another structure than `like` raise a TypeError."""
+    calls = []
+
+    def fun(pair, scale):
+        calls.append(1)
+        return {"sum": pair[0] + pair[1] * scale}
+
+    args = ((jnp.arange(3.0), jnp.ones(3)), jnp.float32(2.0))
+    like = {"sum": jnp.zeros(3)}
+    step = jax.jit(lambda *a: deferred(fun, like, *a))
+    traced = step.trace(*args)
+    assert not calls
+    lowered = traced.lower()
+    assert len(calls) == 1
+    assert_same_results(lowered.compile()(*args), fun(*args))
+    assert_same_results(deferred(fun, like, *args), fun(*args))
+    with pytest.raises(TypeError, match="expected"):
+        jax.jit(lambda *a: deferred(fun, [jnp.zeros(3)], *a)).lower(*args)
 
 
 @pytest.mark.parametrize("name,config", [

@@ -147,7 +147,7 @@ def test_auto_traces_the_xla_branch_only_where_lowered(name, draw):
 def test_deferred_traces_its_function_when_lowered_or_run():
     """`deferred(fun, like, *args)` is fun(*args) typed as `like`: tracing it calls no
     fun, lowering (or running it eagerly) calls fun once, results as fun's; results of
-    another structure than `like` raise a TypeError."""
+    another structure, shape or dtype than `like`'s raise a TypeError."""
     calls = []
 
     def fun(pair, scale):
@@ -163,8 +163,9 @@ def test_deferred_traces_its_function_when_lowered_or_run():
     assert len(calls) == 1
     assert_same_results(lowered.compile()(*args), fun(*args))
     assert_same_results(deferred(fun, like, *args), fun(*args))
-    with pytest.raises(TypeError, match="expected"):
-        jax.jit(lambda *a: deferred(fun, [jnp.zeros(3)], *a)).lower(*args)
+    for wrong in ([jnp.zeros(3)], {"sum": jnp.zeros(4)}, {"sum": jnp.zeros(3, jnp.int32)}):
+        with pytest.raises(TypeError, match="expected"):
+            jax.jit(lambda *a: deferred(fun, wrong, *a)).lower(*args)
 
 
 @pytest.mark.parametrize("name,config", [

@@ -46,7 +46,7 @@ comparison: per-layer `KdaParams` and a Python list of per-layer caches, one
 Everything compiled is kept on disk (`jax_kda.enable_compile_cache`): a second run
 compiles nothing and says it started warm; `--no-compile-cache` compiles afresh. On a GPU
 the CuTe DSL kernels of the decode step and the prefill compile ahead, in parallel
-processes (`jax_kda.compile_kernels`).
+processes (`jax_kda.compile_kernels`), while the decode step compiles.
 
 The proof: every generated token must be the token plain greedy decoding picks after
 the same prefix, with the whole model run over the sequence and every KDA layer the
@@ -620,9 +620,10 @@ class Engine:
     the prefill is compiled without `resume`). The prefill compiles once per row count,
     when first used (at most `len(self.prefill_shapes)`); the counters say what the
     calls computed. Where the kernels run, the decode step's and the prefill's kernels
-    compile first, in parallel processes (`jax_kda.compile_kernels`), from the decode
-    step's trace and the prefill's at a full batch's rows, which its first call then
-    lowers."""
+    compile in parallel processes (`jax_kda.compile_kernels`, not waited for: the decode
+    step's lowering waits for its own kernel, then XLA compiles the step while the
+    prefill's compile), from the decode step's trace and the prefill's at a full batch's
+    rows, which its first call then lowers."""
 
     def __init__(self, model: Model, config: ModelConfig, batch: int, max_prompt: int,
                  backend: str = "auto", layer_list: bool = False, tp: int = 1,
@@ -662,7 +663,7 @@ class Engine:
             # block traced at the rows of a full batch's admission, its first call
             rows = prefill_rows(batch, batch)
             self._traced[rows] = self._prefill.block.trace(*self._prefill_args(rows).block)
-            self.kernels = jax_kda.compile_kernels(decode, self._traced[rows])
+            self.kernels = jax_kda.compile_kernels(decode, self._traced[rows], wait=False)
         self._decode = decode.lower().compile()
         self.decode_compile_s = time.perf_counter() - tick
         self._decode_rows = self._decode.input_shardings[0][3:]

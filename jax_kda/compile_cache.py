@@ -9,26 +9,33 @@ Python. The binaries are kept here instead (`stored`): the object file that the 
 call embeds (`jax_kda.ffi.lowering.for_xla`), one file per kernel key, read back by a
 later lowering without tracing or compiling anything. A program's JAX cache key holds
 its kernels' binaries, so the two caches hit together. `compile_kernels` builds a
-program's kernels ahead, in parallel processes, into the same store.
+program's kernels ahead, in parallel processes, into the same store (or behind: a
+lowering then waits for the process of each kernel it needs).
 
 The directory is trusted: what it holds is loaded as code. Keep it private.
 """
 from __future__ import annotations
 
+import atexit
+import dataclasses
 import functools
 import hashlib
 import os
 import pathlib
 import pickle
+import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 
 import jax
 from jax.experimental.compilation_cache import compilation_cache
 
 _kernels: pathlib.Path | None = None  # the kernels' binaries, while the cache is on
 _built: dict[str, bytes] = {}  # the binaries this process built, by key
+_pending: dict[str, "_Job"] = {}  # kernels a `compile_kernels` process is compiling, by key
+_finishing = threading.Lock()
 
 
 def default_directory() -> pathlib.Path:
@@ -59,7 +66,10 @@ def stored(key: str, build) -> bytes:
     """build()'s bytes under `key`: those this process built or `compile_kernels` built
     for it, else while the cache is on those an earlier build stored, else built now and
     kept (on disk while the cache is on, written atomically: processes may share the
-    directory)."""
+    directory). A kernel that a `compile_kernels` process is compiling is waited for."""
+    job = _pending.get(key)
+    if job is not None:
+        _finish(job)
     if key in _built:
         return _built[key]
     file = _file(key)
@@ -70,14 +80,18 @@ def stored(key: str, build) -> bytes:
     return data
 
 
-def compile_kernels(*programs, processes: int | None = None) -> int:
+def compile_kernels(*programs, processes: int | None = None, wait: bool = True) -> int:
     """Compiles the CuTe DSL kernels that `programs` launch, in parallel processes, so
     that their lowering compiles none: the kernels' compiles hold Python's lock, and a
     prefill lowers three. programs: traced jitted functions (`jax.jit(f).trace(*args)`)
     or their jaxprs, every platform's branch searched. processes: at most this many at
-    once (None: one a kernel, at most one a CPU). A kernel in the cache (on disk or
-    compiled by an earlier call) is not compiled again; the binaries go where `stored`
-    finds them, and to disk while the cache is on. Returns how many kernels compiled."""
+    once (None: one a kernel, at most one a CPU). wait: False returns at once, the
+    processes still compiling; a lowering that needs one of their kernels waits for
+    that kernel's process alone (and raises its error), so a program can lower and
+    compile while the other programs' kernels compile. A kernel in the cache (on disk,
+    compiled by an earlier call, or compiling) is not compiled again; the binaries go
+    where `stored` finds them, and to disk while the cache is on. Returns how many
+    kernels it compiles."""
     if processes is not None and (not isinstance(processes, int) or processes < 1):
         raise ValueError(f"processes: expected None or an int >= 1, got {processes!r}")
     from jax_kda.ffi import lowering
@@ -86,46 +100,77 @@ def compile_kernels(*programs, processes: int | None = None) -> int:
     kernels = set()
     for program in programs:
         kernels |= lowering.kernels_called(getattr(program, "jaxpr", program))
-    todo = [kernel for kernel in kernels if not _holds(compiled(kernel,
-                                                                binding=lowering.binary_key))]
-    if not todo:
-        return 0
+    keyed = {compiled(kernel, binding=lowering.binary_key): kernel for kernel in kernels}
+    todo = [key for key in keyed if not _holds(key) and key not in _pending]
     count = min(len(todo), processes or os.cpu_count() or 1)
     # the children import what this process imported, from outside any source tree
     path = os.pathsep.join(entry or os.getcwd() for entry in sys.path)
-    with tempfile.TemporaryDirectory() as folder:
-        jobs = []
-        for i in range(count):
-            job = pathlib.Path(folder) / str(i)
-            job.with_suffix(".in").write_bytes(pickle.dumps(todo[i::count]))
-            with open(job.with_suffix(".err"), "wb") as errors:
-                jobs.append((job, subprocess.Popen(
-                    [sys.executable, "-c", _CHILD, str(job)], stdout=subprocess.DEVNULL,
-                    stderr=errors, cwd=folder, env=dict(os.environ, PYTHONPATH=path))))
-        for job, child in jobs:
-            child.wait()
-        for job, child in jobs:
-            if child.returncode:
-                raise RuntimeError(f"compile_kernels: a kernel's compile failed "
-                                   f"(exit {child.returncode}):\n"
-                                   f"{job.with_suffix('.err').read_text()[-4000:]}")
-            for key, data in pickle.loads(job.with_suffix(".out").read_bytes()):
-                _keep(key, data)
+    jobs = []
+    for i in range(count):
+        job = _Job(pathlib.Path(tempfile.mkdtemp()), todo[i::count])
+        (job.folder / "in").write_bytes(pickle.dumps([keyed[key] for key in job.keys]))
+        with open(job.folder / "err", "wb") as errors:
+            job.child = subprocess.Popen(
+                [sys.executable, "-c", _CHILD, str(job.folder)], stdout=subprocess.DEVNULL,
+                stderr=errors, cwd=job.folder, env=dict(os.environ, PYTHONPATH=path))
+        _pending.update(dict.fromkeys(job.keys, job))
+        jobs.append(job)
+    if wait:
+        for job in jobs:
+            _finish(job)
     return len(todo)
+
+
+@dataclasses.dataclass(eq=False)
+class _Job:
+    """A `compile_kernels` process: its folder (in: the kernels pickled, out: their
+    (key, binary) pairs, err: its stderr), the keys it compiles, the process."""
+
+    folder: pathlib.Path
+    keys: list
+    child: subprocess.Popen | None = None
+
+
+def _finish(job: _Job) -> None:
+    """Waits for a `compile_kernels` process and keeps its binaries; raises its error."""
+    with _finishing:
+        if job.keys[0] not in _pending:  # finished already, by another thread
+            return
+        job.child.wait()
+        for key in job.keys:
+            del _pending[key]
+        try:
+            if job.child.returncode:
+                raise RuntimeError(f"compile_kernels: a kernel's compile failed (exit "
+                                   f"{job.child.returncode}):\n"
+                                   f"{(job.folder / 'err').read_text()[-4000:]}")
+            for key, data in pickle.loads((job.folder / "out").read_bytes()):
+                _keep(key, data)
+        finally:
+            shutil.rmtree(job.folder, ignore_errors=True)
+
+
+@atexit.register
+def _abandon() -> None:
+    """At exit: the processes still compiling stopped, their folders removed."""
+    for job in set(_pending.values()):
+        job.child.kill()
+        job.child.wait()
+        shutil.rmtree(job.folder, ignore_errors=True)
 
 
 _CHILD = "from jax_kda.compile_cache import _compile_job; _compile_job()"
 
 
 def _compile_job():
-    """A `compile_kernels` process: the kernels pickled in argv[1].in compiled, their
-    (key, binary) pairs pickled to argv[1].out."""
+    """A `compile_kernels` process: the kernels pickled in argv[1]/in compiled, their
+    (key, binary) pairs pickled to argv[1]/out."""
     from jax_kda.ffi import lowering
     from jax_kda.kernels import compiled
 
-    job = pathlib.Path(sys.argv[1])
-    kernels = pickle.loads(job.with_suffix(".in").read_bytes())
-    job.with_suffix(".out").write_bytes(pickle.dumps(
+    folder = pathlib.Path(sys.argv[1])
+    kernels = pickle.loads((folder / "in").read_bytes())
+    (folder / "out").write_bytes(pickle.dumps(
         [compiled(kernel, binding=lowering.binary) for kernel in kernels]))
 
 

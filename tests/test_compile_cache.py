@@ -94,9 +94,11 @@ def test_without_the_cache_everything_compiles(tmp_path):
 # In a fresh interpreter: `compile_kernels` on a prefill (the scan kernel alone, chunks of
 # 16) and a two-layer scan of verifies with backend "auto" (the kernel in the CUDA branch
 # of `platform_dependent` inside `lax.scan`), then both exported for CUDA. argv[1]: the
-# cache directory ("" for none), argv[2]: processes ("" for None). Prints the kernels
-# compiled ahead (twice: the second call finds them), the processes started, the
-# kernels this interpreter compiled itself, and the exported modules.
+# cache directory ("" for none), argv[2]: processes ("" for None), argv[3]: "wait" or
+# not. Prints the kernels compiled ahead (twice: the second call finds them, compiled or
+# compiling), those still compiling after the first call and after the lowering, the
+# processes started, the kernels this interpreter compiled itself, and the exported
+# modules.
 AHEAD = r"""
 import functools, json, subprocess, sys
 import cutlass.cute
@@ -135,16 +137,22 @@ def decode(params, cache, inputs):
 programs = (prefill.trace(params, cache, inputs),
             jax.jit(decode).trace(stacked, layers, verify_inputs))
 processes = int(sys.argv[2]) if sys.argv[2] else None
-ahead = [jax_kda.compile_kernels(*programs, processes=processes) for _ in range(2)]
+compile_ahead = functools.partial(jax_kda.compile_kernels, *programs, processes=processes,
+                                  wait=sys.argv[3] == "wait")
+ahead = [compile_ahead()]
+pending = len(jax_kda.compile_cache._pending)
+ahead.append(compile_ahead())
 started = len(children)
 lowered = [program.lower(lowering_platforms=("cuda",)).as_text() for program in programs]
-print(json.dumps(dict(ahead=ahead, started=started, kernels=len(compiles),
+print(json.dumps(dict(ahead=ahead, pending=pending, left=len(jax_kda.compile_cache._pending),
+                      started=started, kernels=len(compiles),
                       calls=sum(text.count("CuteDSLRT_NvJaxCutlassCall") for text in lowered))))
 """
 
 
-def ahead(directory, processes):
-    result = subprocess.run([sys.executable, "-c", AHEAD, str(directory), str(processes)],
+def ahead(directory, processes, wait="wait"):
+    result = subprocess.run([sys.executable, "-c", AHEAD, str(directory), str(processes),
+                             wait],
                             capture_output=True, text=True, timeout=600,
                             env=dict(os.environ, JAX_PLATFORMS="cpu"),
                             cwd=tempfile.gettempdir())
@@ -157,11 +165,22 @@ def test_kernels_compiled_ahead_in_processes_are_not_compiled_again(tmp_path, pr
     first = ahead(tmp_path, processes)
     # the scan kernel and the verify's, one process each unless processes=1
     assert first["ahead"] == [2, 0] and first["started"] == (1 if processes == 1 else 2)
+    assert first["pending"] == first["left"] == 0
     assert first["kernels"] == 0, "the lowering compiled a kernel compiled ahead"
     assert first["calls"] >= 2
     assert len(list((tmp_path / "kernels").iterdir())) == 2
     second = ahead(tmp_path, processes)
     assert second["ahead"] == [0, 0] and second["started"] == 0 and second["kernels"] == 0
+
+
+def test_kernels_compiling_behind_are_waited_for_by_the_lowering(tmp_path):
+    """wait=False: the call returns while both kernels compile; a second call starts
+    neither again; the lowering waits for them and compiles none itself."""
+    result = ahead(tmp_path, "", "behind")
+    assert result["ahead"] == [2, 0] and result["started"] == 2
+    assert result["pending"] == 2 and result["left"] == 0
+    assert result["kernels"] == 0, "the lowering compiled a kernel compiling behind"
+    assert result["calls"] >= 2 and len(list((tmp_path / "kernels").iterdir())) == 2
 
 
 def test_kernels_compiled_ahead_without_the_cache():

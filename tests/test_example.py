@@ -121,13 +121,14 @@ def test_prefill_packs_the_pieces(decoded, monkeypatch):
 
 def test_kernels_compiled_ahead_and_the_first_prefill_traced_once(decoded, monkeypatch):
     """Where the kernels run, the engine hands its decode step and its prefill, traced at
-    a full batch's rows, to `jax_kda.compile_kernels` and lowers that trace at the first
-    prefill of those rows; the run is the same (the kernels stand in for XLA here)."""
+    a full batch's rows, to `jax_kda.compile_kernels` without waiting for them, and
+    lowers that trace at the first prefill of those rows; the run is the same (the
+    kernels stand in for XLA here)."""
     model, prompts, run, _ = decoded
     handed = []
     monkeypatch.setattr(example.jax_kda, "cutedsl_supported", lambda: True)
-    monkeypatch.setattr(example.jax_kda, "compile_kernels",
-                        lambda *programs: handed.extend(programs) or 3)
+    monkeypatch.setattr(example.jax_kda, "compile_kernels", lambda *programs, wait: (
+        handed.extend(programs) or (3 if wait is False else 0)))
     engine = example.Engine(model, CONFIG, batch=2, max_prompt=max(LENGTHS), backend="auto",
                             piece=PIECE)  # "auto": XLA on the CPU
     assert engine.kernels == 3 and len(handed) == 2

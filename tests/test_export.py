@@ -3,7 +3,9 @@ the kernels compile for sm_90a on this CPU host): a verify (of a chain or a tree
 prefill exported from here for CUDA carries the kernels' custom calls, as
 backend="cutedsl" does; lowered for the CPU it neither lowers nor compiles a kernel and
 runs backend="jax"'s program; one artifact exported for ["cuda", "cpu"] carries both,
-its CPU path bitwise backend="jax"'s. Where the kernels cannot take the configuration, "auto" is the XLA path alone."""
+its CPU path bitwise backend="jax"'s. Traced, "auto" holds its XLA branch as one deferred
+equation, traced only where a lowering keeps it. Where the kernels cannot take the
+configuration, "auto" is the XLA path alone."""
 import dataclasses
 import functools
 from types import SimpleNamespace

@@ -1,7 +1,9 @@
 """`jax_kda.enable_compile_cache` across processes (marker `kernels`: the CuTe DSL kernels
 compile for sm_90a, no GPU needed): a second process compiles no kernel and no XLA
 program that the first one compiled (the exported program embeds the same binary), a
-kernel of another configuration compiles, and without the cache everything compiles."""
+kernel of another configuration compiles, and without the cache everything compiles;
+`compile_kernels`' processes, waited for or compiling behind the lowerings that need
+their kernels (a failed one reported there)."""
 import json
 import os
 import subprocess
@@ -231,3 +233,36 @@ def test_kernels_called_finds_each_kernel_inside_shard_map_and_none_in_xla():
     (kernel,) = lowering.kernels_called(program("cutedsl").jaxpr)
     assert type(kernel).__name__ == "FusedVerify" and kernel.heads == 2 and kernel.tokens == 2
     assert lowering.kernels_called(program("jax").jaxpr) == set()
+
+
+def test_a_failed_compile_behind_raises_at_the_lowering_that_needs_it(monkeypatch):
+    """wait=False: a process whose compile fails is reported by the lowering that needs
+    its kernel (a RuntimeError with the process's error output), which then has nothing
+    left pending."""
+    import functools
+
+    import jax
+    import jax.numpy as jnp
+
+    import jax_kda
+    from jax_kda import KdaConfig, VerifyInputs, compile_cache
+    from jax_kda.testing import random_params
+
+    monkeypatch.setattr(compile_cache, "_built", {})  # nothing this process built
+    monkeypatch.setattr(compile_cache, "_kernels", None)  # and no cache on disk
+    monkeypatch.setattr(compile_cache, "_CHILD",
+                        "import sys; sys.stderr.write('no compiler here'); sys.exit(3)")
+    config = KdaConfig(heads=1, tokens=3)
+    B = 2
+    shape = lambda dtype, *s: jax.ShapeDtypeStruct(s, dtype)
+    params = jax.eval_shape(lambda: random_params(jax.random.key(0), config))
+    cache = jax.eval_shape(lambda: jax_kda.init_cache(config, B + 1, B))
+    inputs = VerifyInputs(shape(jnp.bfloat16, B, 3, 3, 1, 128), shape(jnp.bfloat16, B, 3, 128),
+                          shape(jnp.bfloat16, B, 3, 1), shape(jnp.bfloat16, B, 3, 1, 128),
+                          shape(jnp.int32, B), shape(jnp.int32, B))
+    program = jax.jit(functools.partial(jax_kda.fused_verify, config=config,
+                                        backend="cutedsl")).trace(params, cache, inputs)
+    assert jax_kda.compile_kernels(program, wait=False) == 1
+    with pytest.raises(RuntimeError, match="(?s)exit 3.*no compiler here"):
+        program.lower(lowering_platforms=("cuda",))
+    assert not compile_cache._pending

@@ -197,6 +197,24 @@ def test_compile_kernels_refuses_a_bad_process_count(processes):
         jax_kda.compile_kernels(processes=processes)
 
 
+def verify_operands(config, B: int):
+    """(params, cache, inputs) of a verify of B requests, as shapes."""
+    import jax
+    import jax.numpy as jnp
+
+    import jax_kda
+    from jax_kda import VerifyInputs
+    from jax_kda.testing import random_params
+
+    T, H = config.tokens, config.heads
+    shape = lambda dtype, *s: jax.ShapeDtypeStruct(s, dtype)
+    return (jax.eval_shape(lambda: random_params(jax.random.key(0), config)),
+            jax.eval_shape(lambda: jax_kda.init_cache(config, B + 1, B)),
+            VerifyInputs(shape(jnp.bfloat16, B, T, 3, H, 128), shape(jnp.bfloat16, B, T, 128),
+                         shape(jnp.bfloat16, B, T, H), shape(jnp.bfloat16, B, T, H, 128),
+                         shape(jnp.int32, B), shape(jnp.int32, B)))
+
+
 def test_kernels_called_finds_each_kernel_inside_shard_map_and_none_in_xla():
     """`kernels_called` walks the jaxprs inside a program's equations (here shard_map's
     and jit's): the verify's kernel of the config it runs, once however often called;
@@ -204,22 +222,14 @@ def test_kernels_called_finds_each_kernel_inside_shard_map_and_none_in_xla():
     import functools
 
     import jax
-    import jax.numpy as jnp
     from jax.sharding import PartitionSpec as P
 
     import jax_kda
-    from jax_kda import KdaConfig, VerifyInputs
+    from jax_kda import KdaConfig
     from jax_kda.ffi import lowering
-    from jax_kda.testing import random_params
 
     config = KdaConfig(heads=2, tokens=2)
-    B = 3
-    shape = lambda dtype, *s: jax.ShapeDtypeStruct(s, dtype)
-    params = jax.eval_shape(lambda: random_params(jax.random.key(0), config))
-    cache = jax.eval_shape(lambda: jax_kda.init_cache(config, B + 1, B))
-    inputs = VerifyInputs(shape(jnp.bfloat16, B, 2, 3, 2, 128), shape(jnp.bfloat16, B, 2, 128),
-                          shape(jnp.bfloat16, B, 2, 2), shape(jnp.bfloat16, B, 2, 2, 128),
-                          shape(jnp.int32, B), shape(jnp.int32, B))
+    params, cache, inputs = verify_operands(config, 3)
     mesh = jax.make_mesh((1,), ("heads",))
 
     def program(backend):
@@ -242,26 +252,17 @@ def test_a_failed_compile_behind_raises_at_the_lowering_that_needs_it(monkeypatc
     import functools
 
     import jax
-    import jax.numpy as jnp
 
     import jax_kda
-    from jax_kda import KdaConfig, VerifyInputs, compile_cache
-    from jax_kda.testing import random_params
+    from jax_kda import KdaConfig, compile_cache
 
     monkeypatch.setattr(compile_cache, "_built", {})  # nothing this process built
     monkeypatch.setattr(compile_cache, "_kernels", None)  # and no cache on disk
     monkeypatch.setattr(compile_cache, "_CHILD",
                         "import sys; sys.stderr.write('no compiler here'); sys.exit(3)")
     config = KdaConfig(heads=1, tokens=3)
-    B = 2
-    shape = lambda dtype, *s: jax.ShapeDtypeStruct(s, dtype)
-    params = jax.eval_shape(lambda: random_params(jax.random.key(0), config))
-    cache = jax.eval_shape(lambda: jax_kda.init_cache(config, B + 1, B))
-    inputs = VerifyInputs(shape(jnp.bfloat16, B, 3, 3, 1, 128), shape(jnp.bfloat16, B, 3, 128),
-                          shape(jnp.bfloat16, B, 3, 1), shape(jnp.bfloat16, B, 3, 1, 128),
-                          shape(jnp.int32, B), shape(jnp.int32, B))
     program = jax.jit(functools.partial(jax_kda.fused_verify, config=config,
-                                        backend="cutedsl")).trace(params, cache, inputs)
+                                        backend="cutedsl")).trace(*verify_operands(config, 2))
     assert jax_kda.compile_kernels(program, wait=False) == 1
     with pytest.raises(RuntimeError, match="(?s)exit 3.*no compiler here"):
         program.lower(lowering_platforms=("cuda",))

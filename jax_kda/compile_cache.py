@@ -103,18 +103,9 @@ def compile_kernels(*programs, processes: int | None = None, wait: bool = True) 
     keyed = {compiled(kernel, binding=lowering.binary_key): kernel for kernel in kernels}
     todo = [key for key in keyed if not _holds(key) and key not in _pending]
     count = min(len(todo), processes or os.cpu_count() or 1)
-    # the children import what this process imported, from outside any source tree
-    path = os.pathsep.join(entry or os.getcwd() for entry in sys.path)
-    jobs = []
-    for i in range(count):
-        job = _Job(pathlib.Path(tempfile.mkdtemp()), todo[i::count])
-        (job.folder / "in").write_bytes(pickle.dumps([keyed[key] for key in job.keys]))
-        with open(job.folder / "err", "wb") as errors:
-            job.child = subprocess.Popen(
-                [sys.executable, "-c", _CHILD, str(job.folder)], stdout=subprocess.DEVNULL,
-                stderr=errors, cwd=job.folder, env=dict(os.environ, PYTHONPATH=path))
+    jobs = [_start({key: keyed[key] for key in todo[i::count]}) for i in range(count)]
+    for job in jobs:
         _pending.update(dict.fromkeys(job.keys, job))
-        jobs.append(job)
     if wait:
         for job in jobs:
             _finish(job)
@@ -128,7 +119,20 @@ class _Job:
 
     folder: pathlib.Path
     keys: list
-    child: subprocess.Popen | None = None
+    child: subprocess.Popen
+
+
+def _start(kernels: dict) -> _Job:
+    """A process compiling `kernels` ({key: kernel}), started."""
+    folder = pathlib.Path(tempfile.mkdtemp())
+    (folder / "in").write_bytes(pickle.dumps(list(kernels.values())))
+    # the child imports what this process imported, from outside any source tree
+    path = os.pathsep.join(entry or os.getcwd() for entry in sys.path)
+    with open(folder / "err", "wb") as errors:
+        child = subprocess.Popen(
+            [sys.executable, "-c", _CHILD, str(folder)], stdout=subprocess.DEVNULL,
+            stderr=errors, cwd=folder, env=dict(os.environ, PYTHONPATH=path))
+    return _Job(folder, list(kernels), child)
 
 
 def _finish(job: _Job) -> None:

@@ -30,9 +30,10 @@ def deferred(fun, like, *args):
 def _flat(*leaves, fun, in_tree, out_tree, out_types):
     results, tree = jax.tree.flatten(fun(*in_tree.unflatten(leaves)))
     kinds = [(t.shape, t.dtype) for t in map(jax.typeof, results)]
-    if tree != out_tree or kinds != [(t.shape, t.dtype) for t in out_types]:
+    expected = [(t.shape, t.dtype) for t in out_types]
+    if tree != out_tree or kinds != expected:
         raise TypeError(f"deferred: {fun} returned {tree} of {kinds}, expected {out_tree} "
-                        f"of {[(t.shape, t.dtype) for t in out_types]}")
+                        f"of {expected}")
     return results
 
 

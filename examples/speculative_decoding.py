@@ -46,7 +46,9 @@ comparison: per-layer `KdaParams` and a Python list of per-layer caches, one
 Everything compiled is kept on disk (`jax_kda.enable_compile_cache`): a second run
 compiles nothing and says it started warm; `--no-compile-cache` compiles afresh. On a GPU
 the CuTe DSL kernels of the decode step and the prefill compile ahead, in parallel
-processes (`jax_kda.compile_kernels`), while the decode step compiles.
+processes (`jax_kda.compile_kernels`), while the decode step compiles, and so does every
+prefill row count, in threads (`--compile-threads`: a call then takes the fewest rows
+that hold its prompts).
 
 The proof: every generated token must be the token plain greedy decoding picks after
 the same prefix, with the whole model run over the sequence and every KDA layer the
@@ -92,8 +94,10 @@ from __future__ import annotations
 
 import argparse
 import collections
+import concurrent.futures
 import dataclasses
 import functools
+import os
 import re
 import sys
 import time
@@ -128,6 +132,9 @@ PREFILL_PACK = 2
 # a compiled prefill takes as few as 1/4 of its rows in prompts: a compile costs seconds,
 # padding rows of a small call milliseconds
 PREFILL_PADDING = 4
+# XLA compiles a program with Python's lock released, on a few cores: a host with cores to
+# spare compiles every prefill row count beside the decode step, one thread per this many
+CORES_PER_COMPILE = 4
 # the copy bandwidth's copy: far past an accelerator's L2 (60 MB on an H200); smaller on a
 # CPU, where it would be most of the example's decode time
 COPY_BYTES, CPU_COPY_BYTES = 1 << 30, 1 << 26
@@ -586,6 +593,15 @@ def prefill_args(model: Model, cache, rows: int, piece: int, resumes: bool) -> P
                    first=(ends, h, where, lengths))
 
 
+def compile_threads(requested: int | None) -> int:
+    """The threads compiling the prefill's row counts ahead: `requested`, or by default one
+    per CORES_PER_COMPILE host cores beside an accelerator, none on the CPU (its cores
+    run the model)."""
+    if requested is not None:
+        return requested
+    return 0 if jax.default_backend() == "cpu" else (os.cpu_count() or 1) // CORES_PER_COMPILE
+
+
 def round_up(n, multiple=16):
     return -(-n // multiple) * multiple
 
@@ -617,17 +633,19 @@ class Engine:
     at most `piece` tokens (rounded up to 16), packed: a call of R rows computes
     `tokens(R)` positions, and a prompt longer than its piece, or cut short where the
     call's tokens run out, resumes from the cache in the next call (where none can,
-    the prefill is compiled without `resume`). The prefill compiles once per row count,
-    when first used (at most `len(self.prefill_shapes)`); the counters say what the
-    calls computed. Where the kernels run, the decode step's and the prefill's kernels
-    compile in parallel processes (`jax_kda.compile_kernels`, not waited for: the decode
-    step's lowering waits for its own kernel, then XLA compiles the step while the
-    prefill's compile), from the decode step's trace and the prefill's at a full batch's
-    rows, which its first call then lowers."""
+    the prefill is compiled without `resume`). The prefill compiles once per row count
+    (at most `len(self.prefill_shapes)`): with `compile_threads` > 0 every row count
+    compiles ahead, in that many threads beside the decode step (a full batch's first),
+    else each at its first use; `prefill_compile_s` is what the calls waited for them,
+    and the counters say what the calls computed. Where the kernels run, the decode
+    step's and the prefill's kernels compile in parallel processes
+    (`jax_kda.compile_kernels`, not waited for: the decode step's lowering waits for its
+    own kernel, then XLA compiles the step while the prefill's compile), from the decode
+    step's trace and the prefill's at a full batch's rows, which its compile then lowers."""
 
     def __init__(self, model: Model, config: ModelConfig, batch: int, max_prompt: int,
                  backend: str = "auto", layer_list: bool = False, tp: int = 1,
-                 piece: int = PREFILL_PIECE):
+                 piece: int = PREFILL_PIECE, compile_threads: int = 0):
         self.config, self.batch = config, batch
         self.piece = round_up(min(max_prompt, piece))
         self.resumes = prefill_resumes(batch, max_prompt, self.piece)
@@ -654,6 +672,9 @@ class Engine:
             self._prefill = self._prefill._replace(block=jax.jit(block, donate_argnums=(1, 2)))
             decode = tensor_parallel(decode, mesh, specs, inputs=3, outputs=4)
         self._ends, self._layers = model_ends(self.model), layer_params(self.model)
+        # the prefill is traced while calls donate the cache: its shapes, not its buffers
+        self._cache_spec = jax.tree.map(
+            lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), self.cache)
         tick = time.perf_counter()
         decode = jax.jit(decode, donate_argnums=1).trace(
             self.model, self.cache, np.zeros(batch, np.int32), *indices(np.full(batch, -1)))
@@ -664,6 +685,12 @@ class Engine:
             rows = prefill_rows(batch, batch)
             self._traced[rows] = self._prefill.block.trace(*self._prefill_args(rows).block)
             self.kernels = jax_kda.compile_kernels(decode, self._traced[rows], wait=False)
+        self.compile_threads, self._ahead = compile_threads, {}
+        if compile_threads:
+            pool = concurrent.futures.ThreadPoolExecutor(compile_threads)
+            self._ahead = {rows: pool.submit(self._compile_prefill, rows)
+                               for rows in sorted(self.prefill_shapes, reverse=True)}
+            pool.shutdown(wait=False)  # its threads end after their last compile
         self._decode = decode.lower().compile()
         self.decode_compile_s = time.perf_counter() - tick
         self._decode_rows = self._decode.input_shardings[0][3:]
@@ -686,7 +713,7 @@ class Engine:
         done = {row: 0 for row, text in enumerate(texts) if text}  # row: tokens prefilled
         ended = []  # (row, its place in a call, that call's results on the device)
         while done:
-            size = prefill_rows(len(done), self.batch, self.prefills)
+            size = prefill_rows(len(done), self.batch, {*self.prefills, *self._ahead})
             rows, pieces, room = [], [], self.tokens(size)
             for row in list(done)[:size]:  # a row cut short goes first in the next call
                 pieces.append(texts[row][done[row]:done[row] + min(self.piece, room)])
@@ -728,21 +755,29 @@ class Engine:
                 self.cache, h = programs.block(params, self.cache, h, *rows, layer)
         return programs.first(self._ends, h, where, lengths)
 
+    def finish_compiles(self) -> int:
+        """Waits for the row counts compiling ahead; returns how many compiled ahead."""
+        return len([job.result() for job in self._ahead.values()])
+
     def _compiled_prefill(self, rows: int) -> Prefill:
-        """The prefill's programs at `rows` rows, compiled at their first use."""
+        """The prefill's programs at `rows` rows, compiled ahead or at their first use."""
         if rows not in self.prefills:
-            tick = time.perf_counter()
-            args, block = self._prefill_args(rows), self._traced.pop(rows, None)
-            traced = Prefill(self._prefill.embed.trace(*args.embed),
-                             block or self._prefill.block.trace(*args.block),
-                             self._prefill.first.trace(*args.first))
-            self.prefills[rows] = Prefill(*(t.lower().compile() for t in traced))
+            tick, ahead = time.perf_counter(), self._ahead.get(rows)
+            self.prefills[rows] = ahead.result() if ahead else self._compile_prefill(rows)
             self.prefill_compile_s += time.perf_counter() - tick
         return self.prefills[rows]
 
+    def _compile_prefill(self, rows: int) -> Prefill:
+        """The prefill's programs at `rows` rows, compiled."""
+        args, block = self._prefill_args(rows), self._traced.pop(rows, None)
+        traced = Prefill(self._prefill.embed.trace(*args.embed),
+                         block or self._prefill.block.trace(*args.block),
+                         self._prefill.first.trace(*args.first))
+        return Prefill(*(t.lower().compile() for t in traced))
+
     def _prefill_args(self, rows: int):
         """The prefill's arguments at `rows` rows, as it is compiled."""
-        return prefill_args(self.model, self.cache, rows, self.piece, self.resumes)
+        return prefill_args(self.model, self._cache_spec, rows, self.piece, self.resumes)
 
     def decode(self, last, live):
         """Enqueues one decode step of last [B] (NumPy, or the step before's `last` on the
@@ -989,6 +1024,11 @@ def parse_args(argv=None):
     parser.add_argument("--copy-bandwidth", type=float, default=None, metavar="GB/S",
                         help="the device's copy bandwidth (read + write) for the step's "
                              "roofline; default: measured by a device-to-device copy")
+    parser.add_argument("--compile-threads", type=int, default=None, metavar="N",
+                        help="threads that compile every prefill row count ahead, beside "
+                             "the decode step (0: each at its first use); default: one per "
+                             f"{CORES_PER_COMPILE} host cores on an accelerator, 0 on the "
+                             "CPU, whose cores run the model")
     parser.add_argument("--prefill-piece", type=int, default=PREFILL_PIECE,
                         help="a prompt's tokens per prefill call (rounded up to 16): a "
                              "longer prompt resumes from the cache in the next call")
@@ -1087,11 +1127,13 @@ def decode_and_check(args, config: ModelConfig, model: Model, prompts, cache_eve
 
     cached = dict(cache_events)
     engine = Engine(model, config, args.batch, args.max_prompt, args.backend, args.layer_list,
-                    args.tp, args.prefill_piece)
+                    args.tp, args.prefill_piece, compile_threads(args.compile_threads))
     kernels = (f", {engine.kernels} CuTe DSL kernels of both compiled ahead in parallel"
                if engine.kernels else "")
+    ahead = (f"each row count on {engine.compile_threads} threads beside it"
+             if engine.compile_threads else "at its first use of each row count")
     print(f"compile: decode step {engine.decode_compile_s:.1f} s{kernels} (the prefill "
-          f"compiles at its first use of each row count)", flush=True)
+          f"compiles {ahead})", flush=True)
     if args.tp > 1:
         state = engine.cache.state
         print(f"tensor parallel: {config.heads // args.tp} of {config.heads} heads on each of "
@@ -1102,13 +1144,17 @@ def decode_and_check(args, config: ModelConfig, model: Model, prompts, cache_eve
     run = speculative_decode(engine, prompts, args.new_tokens, progress)
     made, prompt_tokens = sum(map(len, run.tokens)), sum(map(len, prompts))
     total = run.prefill_s + run.decode_s
+    ahead = engine.finish_compiles()  # their cache events counted
     loaded, compiled = (cache_events[event] - cached.get(event, 0) for event in CACHE_EVENTS)
     start = ("compile cache off" if args.no_compile_cache else
              f"{'warm' if not compiled else 'cold' if not loaded else 'partly warm'} start: "
              f"{loaded} of {loaded + compiled} XLA programs from the compile cache")
-    print(f"compile: decode step {engine.decode_compile_s:.1f} s, prefill "
-          f"{engine.prefill_compile_s:.1f} s ({len(engine.prefills)} of its "
-          f"{len(engine.prefill_shapes)} shapes compiled: " + ", ".join(
+    shapes = len(engine.prefill_shapes)
+    prefill = (f"prefill waited {engine.prefill_compile_s:.1f} s ({engine.finish_compiles()} "
+               f"of its {shapes} shapes compiled ahead, {len(engine.prefills)} used"
+               if engine.compile_threads else f"prefill {engine.prefill_compile_s:.1f} s "
+               f"({len(engine.prefills)} of its {shapes} shapes compiled")
+    print(f"compile: decode step {engine.decode_compile_s:.1f} s, {prefill}: " + ", ".join(
               f"{rows} x {engine.piece} ({engine.tokens(rows)} tokens)"
               for rows in engine.prefill_shapes) + f"); {start}")
     print(f"prefill: {prompt_tokens} prompt tokens of {len(prompts)} requests in "

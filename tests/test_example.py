@@ -12,6 +12,7 @@ import pathlib
 import re
 import subprocess
 import sys
+import threading
 
 import jax
 import numpy as np
@@ -150,6 +151,38 @@ def test_time_decode_traces_the_full_batch_prefill(decoded):
     assert prefilled["tokens"] == LENGTHS[0] + LENGTHS[1]
     assert prefilled["calls"] == engine.prefill_calls == -(-LENGTHS[1] // PIECE)
     assert prefilled["positions"] == engine.prefill_positions >= prefilled["tokens"]
+
+
+def test_prefill_compiled_ahead_in_threads(decoded, monkeypatch):
+    """With compile_threads, every prefill row count compiles in those threads while the
+    engine compiles its decode step, and a call takes the fewest rows that hold its
+    prompts (a lone prompt one row, where a lazy engine reuses its compiled two); the
+    tokens are still plain greedy decoding's."""
+    model, prompts, _, _ = decoded
+    compiled, compile_prefill = [], example.Engine._compile_prefill
+    monkeypatch.setattr(example.Engine, "_compile_prefill", lambda self, rows: (
+        compiled.append((rows, threading.current_thread())) or compile_prefill(self, rows)))
+    engine = example.Engine(model, CONFIG, batch=2, max_prompt=max(LENGTHS), backend="jax",
+                            piece=PIECE, compile_threads=2)
+    assert sorted(engine._ahead) == engine.prefill_shapes == [1, 2]
+    run = example.speculative_decode(engine, prompts, NEW_TOKENS)
+    assert engine.finish_compiles() == 2 and sorted(engine.prefills) == [1, 2]
+    assert sorted(rows for rows, _ in compiled) == [1, 2]
+    assert all(thread is not threading.main_thread() for _, thread in compiled)
+    verdict = example.check(model, CONFIG, prompts, run)
+    assert np.all(np.isfinite(verdict.gap)) and np.all(verdict.gap <= example.TIE)
+    assert np.all(verdict.gap[verdict.margin > example.TIE] == 0)
+
+
+@pytest.mark.parametrize("requested, backend, cores, threads", [
+    (None, "gpu", 16, 4), (None, "gpu", 2, 0), (None, "cpu", 16, 0), (3, "cpu", 2, 3),
+    (0, "gpu", 16, 0)])
+def test_compile_threads(requested, backend, cores, threads, monkeypatch):
+    """One thread per CORES_PER_COMPILE host cores beside an accelerator, none on the CPU
+    by default; a request wins."""
+    monkeypatch.setattr(example.jax, "default_backend", lambda: backend)
+    monkeypatch.setattr(example.os, "cpu_count", lambda: cores)
+    assert example.compile_threads(requested) == threads
 
 
 @pytest.mark.parametrize("prompts, batch, compiled, rows", [

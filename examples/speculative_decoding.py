@@ -47,8 +47,8 @@ Everything compiled is kept on disk (`jax_kda.enable_compile_cache`): a second r
 compiles nothing and says it started warm; `--no-compile-cache` compiles afresh. On a GPU
 the CuTe DSL kernels of the decode step and the prefill compile ahead, in parallel
 processes (`jax_kda.compile_kernels`), while the decode step compiles, and so does every
-prefill row count, in threads (`--compile-threads`: a call then takes the fewest rows
-that hold its prompts).
+prefill row count, in threads (`--compile-threads`: each runs once on padding rows
+before the first call, and a call takes the fewest rows that hold its prompts).
 
 The proof: every generated token must be the token plain greedy decoding picks after
 the same prefix, with the whole model run over the sequence and every KDA layer the
@@ -636,7 +636,8 @@ class Engine:
     the prefill is compiled without `resume`). The prefill compiles once per row count
     (at most `len(self.prefill_shapes)`): with `compile_threads` > 0 every row count
     compiles ahead, in that many threads beside the decode step (a full batch's first),
-    else each at its first use; `prefill_compile_s` is what the calls waited for them,
+    and the first call waits for them all and runs each once on padding rows; else each
+    compiles at its first use. `prefill_compile_s` is what the calls waited for them,
     and the counters say what the calls computed. Where the kernels run, the decode
     step's and the prefill's kernels compile in parallel processes
     (`jax_kda.compile_kernels`, not waited for: the decode step's lowering waits for its
@@ -755,15 +756,23 @@ class Engine:
                 self.cache, h = programs.block(params, self.cache, h, *rows, layer)
         return programs.first(self._ends, h, where, lengths)
 
-    def finish_compiles(self) -> int:
-        """Waits for the row counts compiling ahead; returns how many compiled ahead."""
-        return len([job.result() for job in self._ahead.values()])
-
     def _compiled_prefill(self, rows: int) -> Prefill:
-        """The prefill's programs at `rows` rows, compiled ahead or at their first use."""
+        """The prefill's programs at `rows` rows, compiled at their first use; or, where
+        every row count compiles ahead, all of them waited for at the first call, each
+        run once on padding rows, so that a first execution's setup (XLA's and the
+        GPU's) falls before the run's calls, not in one of them."""
         if rows not in self.prefills:
-            tick, ahead = time.perf_counter(), self._ahead.get(rows)
-            self.prefills[rows] = ahead.result() if ahead else self._compile_prefill(rows)
+            tick = time.perf_counter()
+            if self._ahead:
+                for size, job in self._ahead.items():
+                    self.prefills[size] = job.result()
+                    jax.block_until_ready(self._prefill_call(
+                        self.prefills[size], *pack([], size, self.piece, self.tokens(size)),
+                        np.zeros(size, bool) if self.resumes else None,
+                        *indices(np.full(size, -1))))
+                self._ahead = {}
+            else:
+                self.prefills[rows] = self._compile_prefill(rows)
             self.prefill_compile_s += time.perf_counter() - tick
         return self.prefills[rows]
 
@@ -1144,14 +1153,13 @@ def decode_and_check(args, config: ModelConfig, model: Model, prompts, cache_eve
     run = speculative_decode(engine, prompts, args.new_tokens, progress)
     made, prompt_tokens = sum(map(len, run.tokens)), sum(map(len, prompts))
     total = run.prefill_s + run.decode_s
-    ahead = engine.finish_compiles()  # their cache events counted
     loaded, compiled = (cache_events[event] - cached.get(event, 0) for event in CACHE_EVENTS)
     start = ("compile cache off" if args.no_compile_cache else
              f"{'warm' if not compiled else 'cold' if not loaded else 'partly warm'} start: "
              f"{loaded} of {loaded + compiled} XLA programs from the compile cache")
     shapes = len(engine.prefill_shapes)
-    prefill = (f"prefill waited {engine.prefill_compile_s:.1f} s ({engine.finish_compiles()} "
-               f"of its {shapes} shapes compiled ahead, {len(engine.prefills)} used"
+    prefill = (f"prefill waited {engine.prefill_compile_s:.1f} s (its {shapes} shapes compiled "
+               f"ahead on {engine.compile_threads} threads, each run once"
                if engine.compile_threads else f"prefill {engine.prefill_compile_s:.1f} s "
                f"({len(engine.prefills)} of its {shapes} shapes compiled")
     print(f"compile: decode step {engine.decode_compile_s:.1f} s, {prefill}: " + ", ".join(

@@ -155,9 +155,11 @@ def test_time_decode_traces_the_full_batch_prefill(decoded):
 
 def test_prefill_compiled_ahead_in_threads(decoded, monkeypatch):
     """With compile_threads, every prefill row count compiles in those threads while the
-    engine compiles its decode step, and a call takes the fewest rows that hold its
-    prompts (a lone prompt one row, where a lazy engine reuses its compiled two); the
-    tokens are still plain greedy decoding's."""
+    engine compiles its decode step; the first prefill waits for them all and runs each
+    once on padding rows (slot 0, no record row: every request's slot and record row
+    stay as they were); a call takes the fewest rows that hold its prompts (a lone
+    prompt one row, where a lazy engine reuses its compiled two); the tokens are still
+    plain greedy decoding's."""
     model, prompts, _, _ = decoded
     compiled, compile_prefill = [], example.Engine._compile_prefill
     monkeypatch.setattr(example.Engine, "_compile_prefill", lambda self, rows: (
@@ -165,10 +167,23 @@ def test_prefill_compiled_ahead_in_threads(decoded, monkeypatch):
     engine = example.Engine(model, CONFIG, batch=2, max_prompt=max(LENGTHS), backend="jax",
                             piece=PIECE, compile_threads=2)
     assert sorted(engine._ahead) == engine.prefill_shapes == [1, 2]
+    calls, call = [], engine._prefill_call
+    monkeypatch.setattr(engine, "_prefill_call", lambda programs, *args: (
+        calls.append(args) or call(programs, *args)))
+    before = jax.tree.map(np.array, engine.cache)
+    engine._compiled_prefill(2)
+    assert sorted(engine.prefills) == [1, 2] and not engine._ahead
+    assert sorted(len(slots) for *_, slots, _ in calls) == [1, 2]
+    assert all(np.all(slots == 0) and np.all(rows == -1) for *_, slots, rows in calls)
+    after = jax.tree.map(np.array, engine.cache)
+    for name in ("state", "conv"):  # [L, S, ...]: slot 0 is padding's
+        np.testing.assert_array_equal(getattr(after, name)[:, 1:], getattr(before, name)[:, 1:])
+    for name in ("corrections", "key_gates", "pending"):
+        np.testing.assert_array_equal(getattr(after, name), getattr(before, name))
     run = example.speculative_decode(engine, prompts, NEW_TOKENS)
-    assert engine.finish_compiles() == 2 and sorted(engine.prefills) == [1, 2]
     assert sorted(rows for rows, _ in compiled) == [1, 2]
     assert all(thread is not threading.main_thread() for _, thread in compiled)
+    assert 1 in [len(slots) for *_, slots, _ in calls[2:]]  # the lone prompt's call
     verdict = example.check(model, CONFIG, prompts, run)
     assert np.all(np.isfinite(verdict.gap)) and np.all(verdict.gap <= example.TIE)
     assert np.all(verdict.gap[verdict.margin > example.TIE] == 0)

@@ -690,7 +690,7 @@ class Engine:
         if compile_threads:
             pool = concurrent.futures.ThreadPoolExecutor(compile_threads)
             self._ahead = {rows: pool.submit(self._compile_prefill, rows)
-                               for rows in sorted(self.prefill_shapes, reverse=True)}
+                           for rows in sorted(self.prefill_shapes, reverse=True)}
             pool.shutdown(wait=False)  # its threads end after their last compile
         self._decode = decode.lower().compile()
         self.decode_compile_s = time.perf_counter() - tick

@@ -46,7 +46,9 @@ first checks its cache after one step against the single-device step's (TP_TOLER
 then is timed as above (tp_error: that check's worst leaf, in units of its tolerance);
 speedup is the tp = 1 scan's blocked_us over its own.
 
---state-dtype bfloat16 times the same step on a bf16 state (`KdaConfig.state_dtype`).
+--state-dtype bfloat16 times the same step on a bf16 state (`KdaConfig.state_dtype`);
+--tree the same step on token trees (`KdaConfig.trees`): a random tree of T nodes per
+request, and the accept of a random node's path from the root.
 
 XLA flags come from the environment; bench.py runs it once per command-buffer setting:
 
@@ -76,7 +78,8 @@ import measure  # benchmarks/, on sys.path as the script's folder
 import peers
 from jax_kda import KdaConfig, accept, fused_verify, head_specs, local_config
 from jax_kda.profiling import traced_steps, wall_times
-from jax_kda.testing import random_accepted, random_cache, random_inputs, random_params
+from jax_kda.testing import (random_accepted, random_cache, random_inputs, random_params,
+                             random_parents)
 from jax_kda import cutedsl_supported
 
 SPARE = 16  # slots and record rows past the batch's (B = 1 runs on S = 17)
@@ -92,8 +95,8 @@ TP_TOLERANCE = {"float32": 1e-5, "bfloat16": 2**-7, "int32": 0.0}
 
 
 def scan_step(config: KdaConfig, layers: int, backend: str, unroll):
-    """The scan form: (params, cache, inputs, accepted [B]) -> cache, params and cache
-    stacked over `layers`."""
+    """The scan form: (params, cache, inputs, accepted: (counts [B], paths or None)) ->
+    cache, params and cache stacked over `layers`."""
     def step(params, cache, inputs, accepted):
         def layer(cache, i):
             _, cache = fused_verify(params, cache, inputs, config, backend=backend, layer=i)
@@ -101,29 +104,54 @@ def scan_step(config: KdaConfig, layers: int, backend: str, unroll):
 
         cache, _ = jax.lax.scan(layer, cache, jnp.arange(layers, dtype=jnp.int32),
                                 unroll=unroll)
-        return accept(cache, inputs.record_rows, accepted, config)
+        counts, path = accepted
+        return accept(cache, inputs.record_rows, counts, config, path=path)
     return step
 
 
 def list_step(config: KdaConfig, backend: str):
-    """The list form: (params [L], caches [L], inputs, accepted [B]) -> caches [L]."""
+    """The list form: (params [L], caches [L], inputs, accepted) -> caches [L]."""
     def step(params, caches, inputs, accepted):
         caches = [fused_verify(p, c, inputs, config, backend=backend)[1]
                   for p, c in zip(params, caches)]
-        return [accept(c, inputs.record_rows, accepted, config) for c in caches]
+        counts, path = accepted
+        return [accept(c, inputs.record_rows, counts, config, path=path) for c in caches]
     return step
 
 
 def operands(config: KdaConfig, layers: int, B: int, seed: int):
     """Stacked params and cache of B + SPARE slots and record rows, one step's inputs
-    (requests at slots 1..B, record rows 0..B-1) and accepted counts [B] in 1..T."""
+    (requests at slots 1..B, record rows 0..B-1) and what `accept` takes after the
+    record rows: (accepted counts [B] in 1..T, None), or with trees (counts, paths
+    [B, T]), each request's path from the root to a random node."""
     kp, kc, ki = jax.random.split(jax.random.key(seed), 3)
+    rng = np.random.default_rng(seed)
     slots = jnp.arange(1, B + 1, dtype=jnp.int32)
+    inputs = random_inputs(ki, config, slots, slots - 1)
+    if config.trees:
+        inputs = dataclasses.replace(inputs, parents=random_parents(rng, B, config.tokens))
+        accepted = random_path(rng, np.asarray(inputs.parents))
+    else:
+        accepted = (random_accepted(rng, slots, config.tokens), None)
     return jax.block_until_ready((
         random_params(kp, config, layers=layers),
-        random_cache(kc, config, B + SPARE, B + SPARE, layers=layers),
-        random_inputs(ki, config, slots, slots - 1),
-        random_accepted(np.random.default_rng(seed), slots, config.tokens)))
+        random_cache(kc, config, B + SPARE, B + SPARE, layers=layers), inputs, accepted))
+
+
+def random_path(rng: np.random.Generator, parents: np.ndarray):
+    """(counts [B], paths [B, T]): per request the path root -> a random node of its
+    tree (`parents` [B, T]), padded with zeros past its count."""
+    B, T = parents.shape
+    paths = np.zeros((B, T), np.int32)
+    counts = np.zeros(B, np.int32)
+    for b in range(B):
+        node, path = int(rng.integers(0, T)), []
+        while node >= 0:
+            path.append(node)
+            node = int(parents[b, node])
+        counts[b] = len(path)
+        paths[b, :len(path)] = path[::-1]
+    return jnp.asarray(counts), jnp.asarray(paths)
 
 
 def check_slots(cache) -> int:
@@ -310,13 +338,14 @@ def save(rows: list, path: str):
 def run(args) -> list:
     """Every row of the section (see the module's docstring), written to args.json
     after each batch size."""
-    config = KdaConfig(heads=args.heads, tokens=args.tokens, state_dtype=args.state_dtype)
+    config = KdaConfig(heads=args.heads, tokens=args.tokens, state_dtype=args.state_dtype,
+                       trees=args.tree)
     L = args.layers
     budget = measure.Budget(args.budget_s, reserve_s=5.0)
     rows, unroll, cost = [], args.unroll, 0.0
     for B in args.batches:
         common = dict(B=B, T=args.tokens, heads=args.heads, layers=L, backend=args.backend,
-                      state=args.state_dtype, S=B + SPARE)
+                      state=args.state_dtype, tree=args.tree, S=B + SPARE)
         if not budget.allows(cost):
             rows.append(dict(common, skipped=f"budget ({budget.left():.0f} s left)"))
             continue
@@ -369,6 +398,8 @@ def parse(argv):
     parser.add_argument("--tokens", type=int, default=4)
     parser.add_argument("--state-dtype", choices=("float32", "bfloat16"), default="float32",
                         help="the cache's state dtype (KdaConfig.state_dtype)")
+    parser.add_argument("--tree", action="store_true",
+                        help="a random token tree per request (KdaConfig.trees)")
     parser.add_argument("--batches", type=ints, default=[1, 16, 64],
                         help="batch sizes B (default 1,16,64)")
     parser.add_argument("--backend", default=None,

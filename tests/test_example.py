@@ -4,7 +4,9 @@ the cache), its prefill computes the admitted prompts' pieces only, one block's 
 called once a layer where its decode step runs the blocks in a straight line, its
 --layer-list path gives the same tokens as the stacked one, its check notices a wrong
 token, with --tp 2 (heads and projections split over two devices) its tokens are still
-plain greedy decoding's, and a second run loads every program from the compile cache."""
+plain greedy decoding's, with --state-dtype bfloat16 its states are bf16 and its tokens
+greedy decoding's up to that state's ties, and a second run loads every program from the
+compile cache."""
 import functools
 import importlib.util
 import os
@@ -301,6 +303,15 @@ def test_prefill_piece_flag():
     decoding's."""
     out = run_example("--max-prompt=40", "--prefill-piece=16", "--no-compile-cache")
     assert "1 x 16 (16 tokens), 2 x 16 (16 tokens)" in out and "check: OK" in out, out
+
+
+def test_bf16_state_flag():
+    """--state-dtype bfloat16: the KDA states in bf16, half the roofline's state bytes
+    (2 layers x 2 heads x 128 x 128 x 2 bytes, 2 rows read and written: 0.5 MB against
+    FP32's 1.0), and the tokens greedy decoding's up to the bf16 state's ties."""
+    out = run_example("--state-dtype=bfloat16", "--no-compile-cache")
+    assert ", bfloat16 states; " in out and "read and written (0.5 MB)" in out, out
+    assert "check: OK" in out, out
 
 
 def test_a_second_run_starts_warm(tmp_path):

@@ -124,9 +124,8 @@ PROGRESS_SECONDS = 5.0  # a progress line at most this often
 # (docs/spec.md), bf16 roundings amplify that, and top logits (std ~1) were seen to
 # differ by up to 2.2e-3 between them on CPU and H200.
 TIE = 1e-2
-# A bf16 state moves a layer's outputs by ~2e-3 after 30 writes (docs/performance.md, "A
-# bf16 state's fidelity"); the top logits were seen to move 8e-3 from the stock's where an
-# FP32 state moved them 5.8e-3 (CPU, 4 layers, 96 new tokens): twice TIE leaves that room.
+# A bf16 state's roundings move the top logits further from the FP32 stock's than FP32
+# rounding differences do (docs/performance.md, "A bf16 state's fidelity"): twice TIE.
 BF16_STATE_TIE = 2e-2
 TIMED_STEPS = 20  # full-batch decode steps timed on a GPU, in the loop and in the trace
 TP_AXIS = "tp"  # the mesh axis of --tp

@@ -387,24 +387,28 @@ class ChunkOperands(Kernel):
             column = tid % K
             x = cute.make_rmem_tensor(CHUNK, Float32)
             if tid < K:
-                for t in cutlass.range_constexpr(CHUNK):
+                for t in cutlass.range(CHUNK, unroll_full=True):
                     v = cutlass.select_(t < live, Float32(smem["staged"][2, t, column]),
                                         Float32(0.0))
                     x[t] = smem["betas"][t] * v
             else:
-                for t in cutlass.range_constexpr(CHUNK):
+                for t in cutlass.range(CHUNK, unroll_full=True):
                     x[t] = smem["rhs_w"][t, column]
             n = smem["n"].iterator
-            for t in cutlass.range_constexpr(1, CHUNK):
-                partial = [Float32(0.0)] * 4  # four chains: a row's sum in 1/4 the depth
-                for s4 in cutlass.range_constexpr(0, t, 4):
+            for t in cutlass.range(1, CHUNK, unroll_full=True):
+                partial = cute.make_rmem_tensor(4, Float32)  # four chains: 1/4 the depth
+                for e in cutlass.range_constexpr(4):
+                    partial[e] = Float32(0.0)
+                for s4 in cutlass.range(0, t, 4, unroll_full=True):
                     row = load_vec(n, t * CHUNK + s4, 4)
-                    for e in cutlass.range_constexpr(min(4, t - s4)):
-                        partial[e] = partial[e] + row[e] * x[s4 + e]
+                    for e in cutlass.range_constexpr(4):
+                        # -0.0: the identity of +, which the compiler drops (0.0 is not)
+                        partial[e] = partial[e] + cutlass.select_(
+                            s4 + e < t, row[e] * x[s4 + e], Float32(-0.0))
                 x[t] = x[t] - ((partial[0] + partial[1]) + (partial[2] + partial[3]))
             if tid < K:
-                for t in cutlass.range_constexpr(CHUNK):
+                for t in cutlass.range(CHUNK, unroll_full=True):
                     store_f32(u_v, (item * CHUNK + t) * K + column, x[t])
             else:
-                for t in cutlass.range_constexpr(CHUNK):
+                for t in cutlass.range(CHUNK, unroll_full=True):
                     store_f32(w_k, (item * CHUNK + t) * K + column, x[t])

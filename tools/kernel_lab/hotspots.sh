@@ -1,20 +1,20 @@
 #!/usr/bin/env bash
 # Where the fused verify's warps wait, instruction by instruction: Nsight Compute's
 # stall samples per SASS instruction (SourceCounters) for one launch at each point
-# B,T,SPLIT given, exported as CSV under DIR (the source page, and the top
-# instructions by samples in hot_B_T_SPLIT.txt). Run from the repository root with
-# CuTe DSL and Nsight Compute installed:  bash tools/kernel_lab/hotspots.sh DIR 64,4,1 1,4,2
+# B,T,SPLIT[,tree] given, exported as CSV under DIR (the source page, and the top
+# instructions by samples in hot_B_T_SPLIT[_tree].txt). Run from the repository root
+# with CuTe DSL and Nsight Compute installed:  bash tools/kernel_lab/hotspots.sh DIR 64,4,1 1,4,2
 set -u
 OUT=$1
 shift
 mkdir -p "$OUT"
 for point in "$@"; do
-  IFS=, read -r B T SPLIT <<< "$point"
-  name=hot_${B}_${T}_${SPLIT}
+  IFS=, read -r B T SPLIT TREE <<< "$point"
+  name=hot_${B}_${T}_${SPLIT}${TREE:+_tree}
   JAX_PLATFORMS=cpu ncu --clock-control none --section SourceCounters \
       --section WarpStateStats --section SchedulerStats -k regex:kernel \
       --launch-skip 2 --launch-count 1 -f -o "$OUT/$name" \
-      python tools/kernel_lab/ncu_target.py "$B" "$T" "$SPLIT" > "$OUT/$name.log" 2>&1
+      python tools/kernel_lab/ncu_target.py "$B" "$T" "$SPLIT" $TREE > "$OUT/$name.log" 2>&1
   ncu -i "$OUT/$name.ncu-rep" --page source --csv --print-source sass \
       > "$OUT/$name.csv" 2>> "$OUT/$name.log"
   ncu -i "$OUT/$name.ncu-rep" --page details --csv > "$OUT/${name}_details.csv" 2>&1

@@ -135,10 +135,6 @@ def spilling_build(config: KdaConfig, split: int) -> str | None:
         return "tokens=9 at gate_mode=1 (its gate projection's one-token second tile)"
     if config.trees and config.tokens == 13:
         return "tree of tokens=13 (its pair products, batched or node by node)"
-    if config.trees and config.tokens == 16 and config.lower_bound is None and split == 8:
-        return "tree of tokens=16 with the softplus gate at split=8 (its replay's 16 decays)"
-    if config.trees and config.tokens == 16 and config.gate_mode == 1 and split == 8:
-        return "tree of tokens=16 at gate_mode=1 at split=8 (its convolution's taps)"
     return None
 
 

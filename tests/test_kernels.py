@@ -385,8 +385,8 @@ PLANS = [  # (config, whether the kernel takes it)
     (KdaConfig(heads=32, tokens=9), True),
     (KdaConfig(heads=32, tokens=9, gate_mode=1), False),
     (KdaConfig(heads=32, tokens=16, trees=True, lower_bound=None), True),
-    (KdaConfig(heads=32, tokens=16, trees=True, lower_bound=None, split=8), False),
-    (KdaConfig(heads=32, tokens=16, trees=True, gate_mode=1, split=8), False),
+    (KdaConfig(heads=32, tokens=16, trees=True, lower_bound=None, split=8), True),
+    (KdaConfig(heads=32, tokens=16, trees=True, gate_mode=1, split=8), True),
     (KdaConfig(heads=32, tokens=16, trees=True, split=8), True),
 ]
 
@@ -397,9 +397,8 @@ PLANS = [  # (config, whether the kernel takes it)
                               "tree-16-gate1-split8", "tree-16-split8"])
 def test_the_verify_plan_takes_the_builds_that_compile(config, kernel):
     """"auto" plans the kernel for CUDA where its build compiles without spills (chains
-    and trees to T = 16 but a tree of 13, T = 9 at gate_mode 1 and a tree of 16 with the
-    softplus gate or at gate_mode 1 at split 8: the compile table) and XLA elsewhere;
-    "cutedsl" raises there, naming the need."""
+    and trees to T = 16 but a tree of 13 and T = 9 at gate_mode 1: the compile table)
+    and XLA elsewhere; "cutedsl" raises there, naming the need."""
     plan = backends.verify_plan(config, 64, "auto")
     assert (plan.cuda is not None) == kernel and plan.other is None
     if not kernel:
@@ -407,15 +406,15 @@ def test_the_verify_plan_takes_the_builds_that_compile(config, kernel):
             backends.verify_plan(config, 64, "cutedsl")
 
 
-def test_kernel_split_passes_a_spilling_split():
-    """A tree of 16 with the softplus gate or at gate_mode 1 spills at split 8 alone: a
-    launch that would take 8 (one request, one head) takes 4, the largest below that
-    compiles without spills; larger batches keep `choose_split`'s."""
-    config = KdaConfig(heads=1, tokens=16, trees=True, lower_bound=None)
-    assert choose_split(1, 132) == 8 and kernel_split(config, 1, sms=132) == 4
-    sigmoid = dataclasses.replace(config, lower_bound=-5.0)
-    assert kernel_split(sigmoid, 1, sms=132) == 8
-    assert kernel_split(dataclasses.replace(sigmoid, gate_mode=1), 1, sms=132) == 4
+def test_kernel_split_passes_a_spilling_split(monkeypatch):
+    """Where a build spills at split 8 alone, a launch that would take 8 (one request,
+    one head) takes 4, the largest below that compiles without spills; larger batches
+    keep `choose_split`'s."""
+    config = KdaConfig(heads=1, tokens=16, trees=True)
+    assert choose_split(1, 132) == 8 and kernel_split(config, 1, sms=132) == 8
+    monkeypatch.setattr(backends, "spilling_build",
+                        lambda c, split: "split 8" if split == 8 else None)
+    assert kernel_split(config, 1, sms=132) == 4
     assert kernel_split(config, 64, sms=132) == choose_split(64, 132)
 
 

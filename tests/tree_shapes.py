@@ -39,15 +39,16 @@ def a_path(rng, parents, tokens):
 
 def check_bad_branch(verify, spoiled, params, cache, inputs, config, copy=lambda tree: tree):
     """NaN in node 3 of the tree [-1, 0, 1, 0, 3] of request 0 (`spoiled(inputs)` makes
-    it; T = 5): nodes 1 and 2 (another branch) and their records are bitwise those of a
-    clean run, and after accepting the path 0, 1, 2 the next verify is the clean run's,
-    bit for bit and finite. verify(params, cache, inputs) -> (out, cache); cache() gives
-    the cache to start from, afresh each run (a verify may donate it); copy: a copy of
-    a cache that outlives a donation."""
-    B = inputs.slots.shape[0]
-    inputs = dataclasses.replace(inputs, parents=jnp.asarray([[-1, 0, 1, 0, 3]] * B,
-                                                             jnp.int32))
-    path = jnp.asarray([[0, 1, 2, 0, 0]] * B, jnp.int32)
+    it; past T = 5 the bad branch goes on, node t a child of t - 1): nodes 1 and 2
+    (another branch) and their records are bitwise those of a clean run, and after
+    accepting the path 0, 1, 2 the next verify is the clean run's, bit for bit and
+    finite. verify(params, cache, inputs) -> (out, cache); cache() gives the cache to
+    start from, afresh each run (a verify may donate it); copy: a copy of a cache that
+    outlives a donation."""
+    B, T = inputs.slots.shape[0], config.tokens
+    parents = [-1, 0, 1, 0, 3] + list(range(4, T - 1))
+    inputs = dataclasses.replace(inputs, parents=jnp.asarray([parents] * B, jnp.int32))
+    path = jnp.asarray([[0, 1, 2] + [0] * (T - 3)] * B, jnp.int32)
     accepted = jnp.full((B,), 3, jnp.int32)
     results = []
     for spoilt in (inputs, spoiled(inputs)):

@@ -5,7 +5,7 @@ tokens), the chunks' operands at the default config and the prompt's convolution
 
     python -m jax_kda.kernels --arch sm_90a [--subset] [--jobs N]
 
-Every T of 2..8, 12 and 16, gate mode and split, then the operand variants (no bias;
+Every T of 2..8, 12, 15 and 16, gate mode and split, then the operand variants (no bias;
 bf16 conv and norm weights), the stacked-layer build, the lazy checkpoint
 (checkpoint_every 4), the token-tree build, a bf16 state and the softplus gate on one
 shape per split, checkpoint_every 2 and 8 at split 1 and 2 and 4 at T = 8 and split 2,
@@ -60,7 +60,7 @@ def configurations(subset, only=()):
         for T, gate_mode, split in only:
             yield dict(base, tokens=T, gate_mode=gate_mode, split=split)
         return
-    tokens = (2, 4, 8) if subset else (*range(2, 9), 12, 16)
+    tokens = (2, 4, 8) if subset else (*range(2, 9), 12, 15, 16)
     for T, gate_mode, split in itertools.product(tokens, (0, 1), (1, 2, 4, 8)):
         yield dict(base, tokens=T, gate_mode=gate_mode, split=split)
     if not subset:  # the operand variants, stacked and lazy builds, one shape per split

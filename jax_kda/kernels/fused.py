@@ -44,6 +44,8 @@ THREADS = 256
 CROWDED_CTAS_PER_SM = 8  # above it (at T <= 4) the state is requested with the operands
 STAMPS = 16  # int64 per CTA in the timeline build: SM id, two global times, Phase clocks
 RECORDS_READ = 1  # the named barrier of section 1 in `load_records` (0: the CTA's)
+UNROLLED_CONV_TOKENS = 14  # past it the convolution may loop (`looped_convolution`)
+CONV_TOKENS = 4  # tokens an iteration of that loop takes
 BATCHED_TREE_TOKENS = 12  # past it a tree's pair products go node by node (batches spill)
 
 
@@ -152,6 +154,14 @@ class FusedVerify(Kernel):
         if self.trees and self.tokens > BATCHED_TREE_TOKENS:
             return True, self.tokens
         return False, -(-self.tokens ** 2 // 32)
+
+    def looped_convolution(self):
+        """Whether the convolution loops over its tokens at run time (`convolve`): past
+        UNROLLED_CONV_TOKENS tokens at split > 1. With the loop, T = 9 to 14 at gate_mode
+        1 and split 2 spilled 112 bytes of operand pointers, a tree of 16 at gate_mode 1
+        and split 1 96 bytes (a split a launch of 8 tokens or more takes only when
+        asked: `jax_kda.ffi.kernel_split`)."""
+        return self.tokens > UNROLLED_CONV_TOKENS and self.split > 1
 
     def shared_pairs(self):
         """Whether the cluster's CTAs share the pair products (which each would compute
@@ -825,57 +835,48 @@ class FusedVerify(Kernel):
     @cute.jit
     def convolve(self, smem, taps, bias, n, base, tid):
         """The short convolution and SiLU of this thread's channel: q and k (section 0,
-        rows 0 and 1; sums of squares per warp into norm_sums) or v (section 1, row 0;
+        parts 0 and 1; sums of squares per warp into norm_sums) or v (section 1, part 2;
         into values_v), from the staged window (whole: staged before n was known) and
         inputs x_in. The history is window[n .. n+2] (a tree build's: the kept path's
         last three inputs, `history_position`); the channel's new window [history,
-        x_0 .. x_{T-1}] replaces positions base .. base + T + 2 in place. A tree node's
-        taps read its path's inputs there. Returns the activations."""
+        x_0 .. x_{T-1}] replaces positions base .. base + T + 2 in place. Where
+        `looped_convolution`, the tokens go CONV_TOKENS at a time through a runtime loop
+        (`convolve_group`, the SiLUs into x_in): the warps run this code once, and the
+        copies of it for every token waited on instruction fetch. Returns the
+        activations."""
         T: cutlass.Constexpr = self.tokens
-        window, x_in, parents = smem.window, smem.x_in, smem.parents
+        window, x_in = smem.window, smem.x_in
         history = [n + i for i in range(3)]
         if cutlass.const_expr(self.trees):
             history = [self.history_position(smem.order, n, i) for i in range(3)]
         channel, section = tid % K, tid // K
         lane, warp = tid % 32, tid // 32
-        activations = cute.make_rmem_tensor((2, T), Float32)
-        activations.fill(0.0)
+        seq = cute.make_rmem_tensor((2, T + 3), Float32)  # the new window, in registers
         for s in cutlass.range_constexpr(2):
             part = 2 * section + s
             if (section == 0) | (s == 0):
-                seq = cute.make_rmem_tensor(T + 3, Float32)
                 for i in cutlass.range_constexpr(3):
-                    seq[i] = Float32(window[part, channel, history[i]])
+                    seq[s, i] = Float32(window[part, channel, history[i]])
                 for t in cutlass.range_constexpr(T):
-                    seq[3 + t] = Float32(x_in[t, part, channel])
+                    seq[s, 3 + t] = Float32(x_in[t, part, channel])
                 for i in cutlass.range_constexpr(T + 3):
-                    window[part, channel, base + i] = BFloat16(seq[i])
-                for t in cutlass.range_constexpr(T):
-                    inputs = [seq[t + i] for i in range(4)]
-                    if cutlass.const_expr(self.trees):  # t's three nearest ancestors, then t
-                        path = [parents[t]]
-                        for _ in cutlass.range_constexpr(2):
-                            up = path[-1]
-                            above = parents[cutlass.max(up, Int32(0))]
-                            path.append(cutlass.select_(up >= 0, above, up - 1))
-                        # node u's raw input at window position base + 3 + u, just
-                        # written, the history's too (u = -3 .. -1)
-                        inputs = [Float32(window[part, channel, base + 3 + path[2 - i]])
-                                  for i in range(3)] + [seq[t + 3]]
-                    y = bias[s]
-                    for i in cutlass.range_constexpr(4):  # rounded products, as the stock loop
-                        y = cute.math.add(y, cute.math.mul(taps[s, i], inputs[i], rounding=RN),
-                                          rounding=RN)
-                    activations[s, t] = y
-        # the SiLUs of a thread as one batch (see primitives.quotients)
-        if section == 0:
-            silus = silus_bf16([activations[s, t] for s in range(2) for t in range(T)])
-            for i in cutlass.range_constexpr(2 * T):
-                activations[i // T, i % T] = silus[i]
+                    window[part, channel, base + i] = BFloat16(seq[s, i])
+        activations = cute.make_rmem_tensor((2, T), Float32)
+        activations.fill(0.0)
+        if cutlass.const_expr(not self.looped_convolution()):
+            self.convolve_group(smem, taps, bias, base, 0, T, seq, activations, tid)
         else:
-            silus = silus_bf16([activations[0, t] for t in range(T)])
-            for t in cutlass.range_constexpr(T):
-                activations[0, t] = silus[t]
+            whole: cutlass.Constexpr = T - T % CONV_TOKENS
+            for first in cutlass.range(0, whole, CONV_TOKENS, unroll=1):
+                self.convolve_group(smem, taps, bias, base, first, CONV_TOKENS, None, None,
+                                    tid)
+            if cutlass.const_expr(T % CONV_TOKENS > 0):
+                self.convolve_group(smem, taps, bias, base, Int32(whole), T % CONV_TOKENS,
+                                    None, None, tid)
+            for i in cutlass.range_constexpr(2 * T):
+                if (section == 0) | (i < T):
+                    part = 2 * section + i // T
+                    activations[i // T, i % T] = Float32(x_in[i % T, part, channel])
         if section == 0:
             squares, index, holds = warp_totals(
                 [activations[s, t] * activations[s, t] for t in range(T) for s in range(2)],
@@ -886,6 +887,61 @@ class FusedVerify(Kernel):
             for t in cutlass.range_constexpr(T):
                 smem.values_v[t, channel] = activations[0, t]
         return activations
+
+    @cute.jit
+    def convolve_group(self, smem, taps, bias, base, first, count: cutlass.Constexpr, seq,
+                       activations, tid):
+        """`convolve`'s tokens first .. first + count - 1 of this thread's parts: each
+        y = bias + sum_i tap_i x_i (rounded products, as the stock loop) over its input
+        and its three nearest predecessors (a tree node's: ancestors, then the window's
+        history), from the new window in registers `seq`, or None: from its row in
+        shared memory; the SiLUs rounded to bf16, into `activations`, or None: into
+        x_in over the group's inputs (read by then)."""
+        window, x_in, parents = smem.window, smem.x_in, smem.parents
+        channel, section = tid % K, tid // K
+        ys = cute.make_rmem_tensor((2, count), Float32)
+        ys.fill(0.0)
+        for s in cutlass.range_constexpr(2):
+            part = 2 * section + s
+            if (section == 0) | (s == 0):
+                row = [seq[s, i] for i in range(count + 3)] if seq is not None else [
+                    Float32(window[part, channel, base + first + i]) for i in range(count + 3)]
+                for j in cutlass.range_constexpr(count):
+                    inputs = [row[j + i] for i in range(4)]
+                    if cutlass.const_expr(self.trees):  # t's three nearest ancestors, then t
+                        path = [parents[first + j]]
+                        for _ in cutlass.range_constexpr(2):
+                            up = path[-1]
+                            above = parents[cutlass.max(up, Int32(0))]
+                            path.append(cutlass.select_(up >= 0, above, up - 1))
+                        # node u's raw input at window position base + 3 + u, just
+                        # written, the history's too (u = -3 .. -1)
+                        inputs = [Float32(window[part, channel, base + 3 + path[2 - i]])
+                                  for i in range(3)] + [row[j + 3]]
+                    y = bias[s]
+                    for i in cutlass.range_constexpr(4):  # rounded products, as the stock loop
+                        y = cute.math.add(y, cute.math.mul(taps[s, i], inputs[i], rounding=RN),
+                                          rounding=RN)
+                    ys[s, j] = y
+        # a group's SiLUs of a thread as one batch (see primitives.quotients)
+        if section == 0:
+            silus = silus_bf16([ys[i // count, i % count] for i in range(2 * count)])
+            for i in cutlass.range_constexpr(2 * count):
+                self.store_silu(x_in, activations, first, count, i, 0, silus[i], channel)
+        else:
+            silus = silus_bf16([ys[0, j] for j in range(count)])
+            for j in cutlass.range_constexpr(count):
+                self.store_silu(x_in, activations, first, count, j, 2, silus[j], channel)
+
+    @cute.jit
+    def store_silu(self, x_in, activations, first, count: cutlass.Constexpr,
+                   i: cutlass.Constexpr, part0: cutlass.Constexpr, silu, channel):
+        """A group's SiLU i (its part's token i % count) into activations, or None: into
+        x_in (part part0 + i // count)."""
+        if cutlass.const_expr(activations is None):
+            x_in[first + i % count, part0 + i // count, channel] = BFloat16(silu)
+        else:
+            activations[i // count, i % count] = silu
 
     @cute.jit
     def load_records(self, smem, a_exp, dt_channel, n, tid):

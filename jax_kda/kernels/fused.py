@@ -845,38 +845,50 @@ class FusedVerify(Kernel):
         copies of it for every token waited on instruction fetch. Returns the
         activations."""
         T: cutlass.Constexpr = self.tokens
+        looped: cutlass.Constexpr = self.looped_convolution()
         window, x_in = smem.window, smem.x_in
         history = [n + i for i in range(3)]
         if cutlass.const_expr(self.trees):
             history = [self.history_position(smem.order, n, i) for i in range(3)]
         channel, section = tid % K, tid // K
         lane, warp = tid % 32, tid // 32
-        seq = cute.make_rmem_tensor((2, T + 3), Float32)  # the new window, in registers
+        activations = cute.make_rmem_tensor((2, T), Float32)
+        activations.fill(0.0)
         for s in cutlass.range_constexpr(2):
             part = 2 * section + s
             if (section == 0) | (s == 0):
+                seq = cute.make_rmem_tensor(T + 3, Float32)
                 for i in cutlass.range_constexpr(3):
-                    seq[s, i] = Float32(window[part, channel, history[i]])
+                    seq[i] = Float32(window[part, channel, history[i]])
                 for t in cutlass.range_constexpr(T):
-                    seq[s, 3 + t] = Float32(x_in[t, part, channel])
+                    seq[3 + t] = Float32(x_in[t, part, channel])
                 for i in cutlass.range_constexpr(T + 3):
-                    window[part, channel, base + i] = BFloat16(seq[s, i])
-        activations = cute.make_rmem_tensor((2, T), Float32)
-        activations.fill(0.0)
-        if cutlass.const_expr(not self.looped_convolution()):
-            self.convolve_group(smem, taps, bias, base, 0, T, seq, activations, tid)
-        else:
+                    window[part, channel, base + i] = BFloat16(seq[i])
+                if cutlass.const_expr(not looped):
+                    for t in cutlass.range_constexpr(T):
+                        activations[s, t] = self.tap_sum(smem, taps, bias, s, part, base, t,
+                                                         [seq[t + i] for i in range(4)], tid)
+        if cutlass.const_expr(looped):
             whole: cutlass.Constexpr = T - T % CONV_TOKENS
             for first in cutlass.range(0, whole, CONV_TOKENS, unroll=1):
-                self.convolve_group(smem, taps, bias, base, first, CONV_TOKENS, None, None,
-                                    tid)
+                self.convolve_group(smem, taps, bias, base, first, CONV_TOKENS, tid)
             if cutlass.const_expr(T % CONV_TOKENS > 0):
                 self.convolve_group(smem, taps, bias, base, Int32(whole), T % CONV_TOKENS,
-                                    None, None, tid)
+                                    tid)
             for i in cutlass.range_constexpr(2 * T):
                 if (section == 0) | (i < T):
                     part = 2 * section + i // T
                     activations[i // T, i % T] = Float32(x_in[i % T, part, channel])
+        else:
+            # the SiLUs of a thread as one batch (see primitives.quotients)
+            if section == 0:
+                silus = silus_bf16([activations[s, t] for s in range(2) for t in range(T)])
+                for i in cutlass.range_constexpr(2 * T):
+                    activations[i // T, i % T] = silus[i]
+            else:
+                silus = silus_bf16([activations[0, t] for t in range(T)])
+                for t in cutlass.range_constexpr(T):
+                    activations[0, t] = silus[t]
         if section == 0:
             squares, index, holds = warp_totals(
                 [activations[s, t] * activations[s, t] for t in range(T) for s in range(2)],
@@ -889,59 +901,52 @@ class FusedVerify(Kernel):
         return activations
 
     @cute.jit
-    def convolve_group(self, smem, taps, bias, base, first, count: cutlass.Constexpr, seq,
-                       activations, tid):
-        """`convolve`'s tokens first .. first + count - 1 of this thread's parts: each
-        y = bias + sum_i tap_i x_i (rounded products, as the stock loop) over its input
-        and its three nearest predecessors (a tree node's: ancestors, then the window's
-        history), from the new window in registers `seq`, or None: from its row in
-        shared memory; the SiLUs rounded to bf16, into `activations`, or None: into
-        x_in over the group's inputs (read by then)."""
-        window, x_in, parents = smem.window, smem.x_in, smem.parents
+    def convolve_group(self, smem, taps, bias, base, first, count: cutlass.Constexpr, tid):
+        """`convolve`'s loop body: tokens first .. first + count - 1 of this thread's
+        parts, their inputs read from the new window's row, their SiLUs (one batch)
+        rounded to bf16 into x_in over the group's inputs (read by then)."""
+        window, x_in = smem.window, smem.x_in
         channel, section = tid % K, tid // K
         ys = cute.make_rmem_tensor((2, count), Float32)
-        ys.fill(0.0)
         for s in cutlass.range_constexpr(2):
             part = 2 * section + s
             if (section == 0) | (s == 0):
-                row = [seq[s, i] for i in range(count + 3)] if seq is not None else [
-                    Float32(window[part, channel, base + first + i]) for i in range(count + 3)]
+                row = [Float32(window[part, channel, base + first + i])
+                       for i in range(count + 3)]
                 for j in cutlass.range_constexpr(count):
-                    inputs = [row[j + i] for i in range(4)]
-                    if cutlass.const_expr(self.trees):  # t's three nearest ancestors, then t
-                        path = [parents[first + j]]
-                        for _ in cutlass.range_constexpr(2):
-                            up = path[-1]
-                            above = parents[cutlass.max(up, Int32(0))]
-                            path.append(cutlass.select_(up >= 0, above, up - 1))
-                        # node u's raw input at window position base + 3 + u, just
-                        # written, the history's too (u = -3 .. -1)
-                        inputs = [Float32(window[part, channel, base + 3 + path[2 - i]])
-                                  for i in range(3)] + [row[j + 3]]
-                    y = bias[s]
-                    for i in cutlass.range_constexpr(4):  # rounded products, as the stock loop
-                        y = cute.math.add(y, cute.math.mul(taps[s, i], inputs[i], rounding=RN),
-                                          rounding=RN)
-                    ys[s, j] = y
-        # a group's SiLUs of a thread as one batch (see primitives.quotients)
+                    ys[s, j] = self.tap_sum(smem, taps, bias, s, part, base, first + j,
+                                            row[j:j + 4], tid)
         if section == 0:
             silus = silus_bf16([ys[i // count, i % count] for i in range(2 * count)])
             for i in cutlass.range_constexpr(2 * count):
-                self.store_silu(x_in, activations, first, count, i, 0, silus[i], channel)
+                x_in[first + i % count, i // count, channel] = BFloat16(silus[i])
         else:
             silus = silus_bf16([ys[0, j] for j in range(count)])
             for j in cutlass.range_constexpr(count):
-                self.store_silu(x_in, activations, first, count, j, 2, silus[j], channel)
+                x_in[first + j, 2, channel] = BFloat16(silus[j])
 
     @cute.jit
-    def store_silu(self, x_in, activations, first, count: cutlass.Constexpr,
-                   i: cutlass.Constexpr, part0: cutlass.Constexpr, silu, channel):
-        """A group's SiLU i (its part's token i % count) into activations, or None: into
-        x_in (part part0 + i // count)."""
-        if cutlass.const_expr(activations is None):
-            x_in[first + i % count, part0 + i // count, channel] = BFloat16(silu)
-        else:
-            activations[i // count, i % count] = silu
+    def tap_sum(self, smem, taps, bias, s, part, base, t, inputs, tid):
+        """Token t's y = bias + sum_i tap_i x_i (rounded products, as the stock loop) of
+        part `part` (this thread's part s), inputs its three predecessors' and its own
+        raw inputs, oldest first; a tree node's predecessors are its three nearest
+        ancestors (then the window's history), read from the window row."""
+        window, parents, channel = smem.window, smem.parents, tid % K
+        if cutlass.const_expr(self.trees):  # t's three nearest ancestors, then t
+            path = [parents[t]]
+            for _ in cutlass.range_constexpr(2):
+                up = path[-1]
+                above = parents[cutlass.max(up, Int32(0))]
+                path.append(cutlass.select_(up >= 0, above, up - 1))
+            # node u's raw input at window position base + 3 + u, just written, the
+            # history's too (u = -3 .. -1)
+            inputs = [Float32(window[part, channel, base + 3 + path[2 - i]])
+                      for i in range(3)] + [inputs[3]]
+        y = bias[s]
+        for i in cutlass.range_constexpr(4):
+            y = cute.math.add(y, cute.math.mul(taps[s, i], inputs[i], rounding=RN),
+                              rounding=RN)
+        return y
 
     @cute.jit
     def load_records(self, smem, a_exp, dt_channel, n, tid):

@@ -273,7 +273,7 @@ def test_parity_softplus_gate(tokens, trees, split):
     run_episode(config, seed=900 + 10 * tokens + split, steps=4)
 
 
-CHAIN_TREES = [(6, 1), (6, 2), (6, 8), (16, 2)]  # 16: the convolution's runtime loop
+CHAIN_TREES = [(6, 1), (6, 2), (6, 8), (16, 2)]  # 16: the runtime loops (`looped_tokens`)
 
 
 @pytest.mark.parametrize("tokens,split", CHAIN_TREES,
@@ -303,7 +303,7 @@ def test_a_chain_tree_is_the_chain_bit_for_bit(tokens, split):
     assert bits(dataclasses.replace(tree_after, nodes=None)) == bits(after)
 
 
-BAD_BRANCHES = [(5, 1), (5, 2), (16, 2)]  # 16: the convolution's runtime loop
+BAD_BRANCHES = [(5, 1), (5, 2), (16, 2)]  # 16: the runtime loops (`looped_tokens`)
 
 
 @pytest.mark.parametrize("tokens,split", BAD_BRANCHES,

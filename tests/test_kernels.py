@@ -421,12 +421,13 @@ def test_kernel_split_passes_a_spilling_split(monkeypatch):
 @pytest.mark.parametrize("tokens,trees,split,shared", [
     (16, True, 2, True), (16, True, 4, True), (16, True, 8, True), (16, False, 2, True),
     (8, True, 2, True), (8, False, 8, True), (6, False, 2, True), (5, False, 2, False),
-    (12, True, 2, False), (16, True, 1, False), (16, False, 1, False)])
+    (12, True, 2, False), (16, True, 1, False), (16, False, 1, False), (15, False, 4, True)])
 def test_the_cluster_shares_the_pair_products(tokens, trees, split, shared):
-    """At split > 1 the pair products' units (batches of 32 pairs; a tree of 16's nodes)
-    go to one CTA each, every rank gets some where there are as many units, and the
-    nodes' 2t + 1 pairs split evenly; none is shared at split 1, with one unit (T <= 5)
-    or in a batched tree past 8 nodes."""
+    """At split > 1 the pair products' units (batches of 32 pairs; nodes past 14 tokens
+    or in a tree of 16) go to one CTA each, every rank gets some where there are as many
+    units, and the nodes' 2t + 1 pairs split evenly (looped nodes, each one iteration's
+    work, in turn); none is shared at split 1, with one unit (T <= 5) or in a batched
+    tree past 8 nodes."""
     from jax_kda.kernels import FusedVerify
 
     kernel = FusedVerify(KdaConfig(heads=2, tokens=tokens, trees=trees), split, True)
@@ -438,6 +439,8 @@ def test_the_cluster_shares_the_pair_products(tokens, trees, split, shared):
         return
     assert sorted(set(owners)) == list(range(min(split, units)))
     assert units == (tokens if by_node else -(-tokens ** 2 // 32))
+    if kernel.looped_tokens():
+        assert by_node and owners == [t % split for t in range(tokens)]
     if by_node:
         work = [sum(2 * t + 1 for t, rank in enumerate(owners) if rank == r)
                 for r in range(split)]

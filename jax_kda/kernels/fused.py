@@ -44,7 +44,7 @@ THREADS = 256
 CROWDED_CTAS_PER_SM = 8  # above it (at T <= 4) the state is requested with the operands
 STAMPS = 16  # int64 per CTA in the timeline build: SM id, two global times, Phase clocks
 RECORDS_READ = 1  # the named barrier of section 1 in `load_records` (0: the CTA's)
-UNROLLED_CONV_TOKENS = 14  # past it the convolution may loop (`looped_convolution`)
+UNROLLED_TOKENS = 14  # past it the convolution and pair products may loop (`looped_tokens`)
 CONV_TOKENS = 4  # tokens an iteration of that loop takes
 BATCHED_TREE_TOKENS = 12  # past it a tree's pair products go node by node (batches spill)
 
@@ -149,19 +149,21 @@ class FusedVerify(Kernel):
         self.tiles = -(-self.tokens // 8)  # the gate projection's mma tiles of 8 tokens
 
     def pair_units(self):
-        """(by node, units): a tree's pair products past BATCHED_TREE_TOKENS tokens go
-        node by node (T units), the others in batches of 32 pairs."""
-        if self.trees and self.tokens > BATCHED_TREE_TOKENS:
+        """(by node, units): the pair products go node by node (T units) where they loop
+        (`looped_tokens`) or in a tree past BATCHED_TREE_TOKENS tokens, the others in
+        batches of 32 pairs."""
+        if self.looped_tokens() or (self.trees and self.tokens > BATCHED_TREE_TOKENS):
             return True, self.tokens
         return False, -(-self.tokens ** 2 // 32)
 
-    def looped_convolution(self):
-        """Whether the convolution loops over its tokens at run time (`convolve`): past
-        UNROLLED_CONV_TOKENS tokens at split > 1. With the loop, T = 9 to 14 at gate_mode
-        1 and split 2 spilled 112 bytes of operand pointers, a tree of 16 at gate_mode 1
-        and split 1 96 bytes (a split a launch of 8 tokens or more takes only when
-        asked: `jax_kda.ffi.kernel_split`)."""
-        return self.tokens > UNROLLED_CONV_TOKENS and self.split > 1
+    def looped_tokens(self):
+        """Whether the convolution (`convolve`) and the pair products
+        (`looped_node_pairs`) loop over the tokens at run time: past UNROLLED_TOKENS
+        tokens at split > 1. With the convolution's loop, T = 9 to 14 at gate_mode 1 and
+        split 2 spilled 112 bytes of operand pointers, a tree of 16 at gate_mode 1 and
+        split 1 96 bytes (a split a launch of 8 tokens or more takes only when asked:
+        `jax_kda.ffi.kernel_split`)."""
+        return self.tokens > UNROLLED_TOKENS and self.split > 1
 
     def shared_pairs(self):
         """Whether the cluster's CTAs share the pair products (which each would compute
@@ -174,11 +176,12 @@ class FusedVerify(Kernel):
 
     def pair_owner(self, unit: int):
         """The rank of the CTA that computes pair unit `unit`; None where each computes
-        every unit. Batches in turn; nodes (2t + 1 pairs each) there and back, 0, 1,
-        ..., 1, 0, which evens the CTAs' pairs out."""
+        every unit. Batches, and looped nodes (each one iteration's work), in turn;
+        unrolled nodes (2t + 1 pairs each) there and back, 0, 1, ..., 1, 0, which evens
+        the CTAs' pairs out."""
         if not self.shared_pairs():
             return None
-        if not self.pair_units()[0]:
+        if not self.pair_units()[0] or self.looped_tokens():
             return unit % self.split
         turn = unit % (2 * self.split)
         return turn if turn < self.split else 2 * self.split - 1 - turn
@@ -840,12 +843,12 @@ class FusedVerify(Kernel):
         inputs x_in. The history is window[n .. n+2] (a tree build's: the kept path's
         last three inputs, `history_position`); the channel's new window [history,
         x_0 .. x_{T-1}] replaces positions base .. base + T + 2 in place. Where
-        `looped_convolution`, the tokens go CONV_TOKENS at a time through a runtime loop
+        `looped_tokens`, the tokens go CONV_TOKENS at a time through a runtime loop
         (`convolve_group`, the SiLUs into x_in): the warps run this code once, and the
         copies of it for every token waited on instruction fetch. Returns the
         activations."""
         T: cutlass.Constexpr = self.tokens
-        looped: cutlass.Constexpr = self.looped_convolution()
+        looped: cutlass.Constexpr = self.looped_tokens()
         window, x_in = smem.window, smem.x_in
         history = [n + i for i in range(3)]
         if cutlass.const_expr(self.trees):
@@ -1047,9 +1050,10 @@ class FusedVerify(Kernel):
     def token_vectors(self, activations, smem, rank, tid):
         """Section 0: normalized q (scaled) and k of this channel; Gamma_t k_t and
         Gamma_t q_t into xvec; the channel's terms of the T^2 pair products, summed per
-        warp into pairs, unit by unit (`pair_units`), this CTA's own where the cluster
-        shares them (`pair_owner`). A tree build takes each product over node t's path:
-        a decay off it is selected away (a factor 1), a pair off it is 0."""
+        warp into pairs, unit by unit (`pair_units`; node by node in a runtime loop where
+        `looped_tokens`), this CTA's own where the cluster shares them (`pair_owner`). A
+        tree build takes each product over node t's path: a decay off it is selected
+        away (a factor 1), a pair off it is 0."""
         T: cutlass.Constexpr = self.tokens
         norm_sums, decays, xvec = smem.norm_sums, smem.decays, smem.xvec
         channel = tid % K
@@ -1073,6 +1077,17 @@ class FusedVerify(Kernel):
                 gamma = d if t == 0 else gamma * d
             xvec[t, channel] = gamma * ks[t]
             xvec[T + t, channel] = gamma * qs[t]
+        if cutlass.const_expr(self.looped_tokens()):  # node t: rank t % split's
+            for t in cutlass.range(rank, T, self.split, unroll=1):
+                self.looped_node_pairs(t, ks, qs, decays, channel, ancestors, smem, tid)
+        else:
+            self.unrolled_pairs(ks, qs, decays, channel, ancestors, smem, rank, tid)
+
+    @cute.jit
+    def unrolled_pairs(self, ks, qs, decays, channel, ancestors, smem, rank, tid):
+        """The pair products unit by unit, each unit's code its own (T <= UNROLLED_TOKENS
+        or split 1)."""
+        T: cutlass.Constexpr = self.tokens
         by_node = self.pair_units()[0]
         # batches take the decays from registers; nodes read them where used (held, a
         # tree of 16's spill)
@@ -1137,6 +1152,40 @@ class FusedVerify(Kernel):
         slot = cutlass.select_(index < t, pair_index(T, t, 0, "A") + index,
                                pair_index(T, t, 0, "B") + index - t)
         self.store_pair(smem, slot, total, holds, tid)
+
+    @cute.jit
+    def looped_node_pairs(self, t, ks, qs, decays, channel, ancestors, smem, tid):
+        """`token_vectors`' loop body where `looped_tokens`: node t's pairs (a runtime t)
+        as 2T terms, A_ts then B_ts for s = 0 .. T - 1, those past t or off t's path 0
+        and not stored, in one warp reduction; P(s, t) the suffix product of t's path
+        factors, as `node_pairs` takes it. The warps run one node's code, where the
+        copies for every node waited on instruction fetch."""
+        T: cutlass.Constexpr = self.tokens
+        k_t, q_t = ks[0], qs[0]
+        for s in cutlass.range_constexpr(1, T):
+            k_t = cutlass.select_(t == s, ks[s], k_t)
+            q_t = cutlass.select_(t == s, qs[s], q_t)
+        path = Int32(0)
+        if cutlass.const_expr(self.trees):
+            path = ancestors[t] | (Int32(1) << t)
+        weighted = [Float32(0.0)] * T  # k_s P(s, t)
+        suffix = Float32(1.0)
+        for s in cutlass.range_constexpr(T - 1, -1, -1):
+            on = Int32(s) <= t
+            if cutlass.const_expr(self.trees):
+                on = on & ((path & Int32(1 << s)) != Int32(0))
+            weighted[s] = cutlass.select_(on, ks[s] * suffix, Float32(0.0))
+            if cutlass.const_expr(s > 0):
+                suffix = suffix * cutlass.select_(on, decays[s, channel], Float32(1.0))
+        total, index, holds = warp_totals(
+            [weighted[s] * k_t for s in range(T)] + [weighted[s] * q_t for s in range(T)],
+            tid % 32)
+        a_pair = index < T
+        source = cutlass.select_(a_pair, index, index - T)
+        slot = cutlass.select_(a_pair, ((t * (t - 1)) >> 1) + source,
+                               T * (T - 1) // 2 + ((t * (t + 1)) >> 1) + source)
+        stored = cutlass.select_(a_pair, source < t, source <= t)
+        self.store_pair(smem, slot, total, holds & stored, tid)
 
     @cute.jit
     def store_pair(self, smem, slot, total, holds, tid):

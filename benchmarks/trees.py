@@ -8,7 +8,8 @@ Correctness first: at each T, the tree's outputs of both backends against the st
 reference on the same tree (the largest error, in bf16 units of the row's scale).
 
 Each row: form (chain, tree, chain-xla, tree-xla), B, T, us (the GPU's time of a call:
-the span of its activities in JAX's profiler trace, median), backend, or error. Alone:
+the span of its activities in JAX's profiler trace, median), backend, or error; a short
+table last (`summary`). Alone:
 
     python benchmarks/trees.py --json trees.json [--points 1x8,16x8,...] [--forms chain,tree]
 """
@@ -92,6 +93,28 @@ def run(args) -> list:
     return rows
 
 
+def summary(rows: list) -> None:
+    """The short table printed last: each point's time per form, a tree against the chain
+    of its T (kernel, XLA), and at each B, T = 16 against T = 8 where both ran."""
+    us = {(row["form"], row["B"], row["T"]): row["us"] for row in rows if row.get("us")}
+    names = [form for form in FORMS if any(key[0] == form for key in us)]
+    print("\n   B   T" + "".join(f"{form:>11}" for form in names)
+          + "  tree/chain  tree/chain in XLA")
+    for B, T in sorted({key[1:] for key in us}):
+        times = [us.get((form, B, T)) for form in names]
+        ratios = [us[(tree, B, T)] / us[(chain, B, T)] if (tree, B, T) in us and
+                  (chain, B, T) in us else None
+                  for tree, chain in (("tree", "chain"), ("tree-xla", "chain-xla"))]
+        print(f"{B:>4}{T:>4}" + "".join(f"{t:>8.2f} us" if t else f"{'-':>11}" for t in times)
+              + "".join(f"{r:>11.2f}x" if r else f"{'-':>12}" for r in ratios))
+    for B in sorted({key[1] for key in us}):
+        pairs = [(form, us[(form, B, 16)] / us[(form, B, 8)]) for form in names
+                 if (form, B, 16) in us and (form, B, 8) in us]
+        if pairs:
+            print(f"B = {B}, T = 16 against T = 8: "
+                  + ", ".join(f"{form} {ratio:.2f}x" for form, ratio in pairs))
+
+
 def parse(argv):
     parser = measure.section_parser(__doc__)
     parser.add_argument("--points", type=measure.points, default=list(POINTS),
@@ -112,4 +135,4 @@ def forms(text: str) -> list:
 
 
 if __name__ == "__main__":
-    run(parse(sys.argv[1:]))
+    summary(run(parse(sys.argv[1:])))

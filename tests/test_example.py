@@ -1,12 +1,14 @@
 """The speculative-decoding example at a tiny size: its tokens equal plain greedy decoding
 with the stock per-token recurrence (prompts longer than a prefill piece resuming from
-the cache), its prefill computes the admitted prompts' pieces only, one block's program
-called once a layer where its decode step runs the blocks in a straight line, its
---layer-list path gives the same tokens as the stacked one, its check notices a wrong
-token, with --tp 2 (heads and projections split over two devices) its tokens are still
-plain greedy decoding's, with --state-dtype bfloat16 its states are bf16 and its tokens
-greedy decoding's up to that state's ties, and a second run loads every program from the
-compile cache."""
+the cache), and so do its tree drafter's (accepted along the walk a runner would take,
+through top-2 drafts at times; --draft both runs both), its prefill computes the
+admitted prompts' pieces only, one block's program called once a layer where its decode
+step runs the blocks in a straight line, its --layer-list path gives the same tokens as
+the stacked one, its check notices a wrong token, with --tp 2 (heads and projections
+split over two devices) its tokens are still plain greedy decoding's, with --state-dtype
+bfloat16 its states are bf16 and its tokens greedy decoding's up to that state's ties,
+and a second run loads every program from the compile cache."""
+import dataclasses
 import functools
 import importlib.util
 import os
@@ -19,6 +21,9 @@ import threading
 import jax
 import numpy as np
 import pytest
+
+import jax_kda
+from tree_shapes import SHAPES, tree_of
 
 EXAMPLE = pathlib.Path(__file__).parent.parent / "examples" / "speculative_decoding.py"
 
@@ -40,13 +45,13 @@ LENGTHS = (1, 37, 2, 17, 3)
 PIECE = 16  # prompts of 17 and 37 tokens take 2 and 3 prefill pieces
 
 
-def decode(layer_list):
+def decode(layer_list, config=CONFIG):
     """Five requests (prompt lengths 1..37) through a batch of two, so slots are reused
     and the last step has a padding row; returns (model, prompts, run, engine)."""
-    model = example.init_model(7, CONFIG)
-    prompts = [np.random.default_rng(7).integers(0, CONFIG.vocab, n).tolist()
+    model = example.init_model(7, config)
+    prompts = [np.random.default_rng(7).integers(0, config.vocab, n).tolist()
                for n in LENGTHS]
-    engine = example.Engine(model, CONFIG, batch=2, max_prompt=max(LENGTHS), backend="jax",
+    engine = example.Engine(model, config, batch=2, max_prompt=max(LENGTHS), backend="jax",
                             layer_list=layer_list, piece=PIECE)
     return model, prompts, example.speculative_decode(engine, prompts, NEW_TOKENS), engine
 
@@ -66,6 +71,61 @@ def test_speculative_equals_stock_greedy(decoded):
     assert np.all(verdict.drift < verdict.margin)
     # Both outcomes of a verify happened: some drafts rejected, some accepted.
     assert 1 < run.accepted / run.row_steps < CONFIG.tokens
+
+
+def test_tree_drafts_equal_stock_greedy(monkeypatch):
+    """The tree drafter at T = 8 (the bigram's chain of 6 with its top-2 token beside the
+    first two levels): every token plain greedy decoding's, and live requests' accepted
+    paths (what `accept` got) went through a top-2 node at times, which no chain of
+    drafts holds."""
+    tree = dataclasses.replace(CONFIG, tokens=8, tree=True)
+    depth = tree.tokens - tree.tokens // 4  # nodes depth.. are the top-2 siblings
+    branched = []
+
+    def record(path, accepted, record_rows):
+        branched.extend(bool(np.any(p[:a] >= depth))
+                        for p, a, row in zip(path, accepted, record_rows) if row >= 0)
+
+    def watched(cache, record_rows, accepted, config, *, path=None):
+        jax.debug.callback(record, path, accepted, record_rows)
+        return accept(cache, record_rows, accepted, config, path=path)
+
+    accept = jax_kda.accept
+    monkeypatch.setattr(jax_kda, "accept", watched)
+    model, prompts, run, _ = decode(layer_list=False, config=tree)
+    verdict = example.check(model, tree, prompts, run)
+    assert [len(tokens) for tokens in run.tokens] == [NEW_TOKENS] * len(prompts)
+    assert np.all(verdict.gap == 0), f"not greedy at {verdict.where[verdict.gap > 0]}"
+    assert np.all(verdict.drift < verdict.margin)
+    assert 1 < run.accepted / run.row_steps < tree.tokens
+    assert any(branched) and not all(branched), branched
+
+
+def walked_path(parents, tokens, target):
+    """The accepted nodes by hand: from node 0, the first child whose token is the
+    target's argmax after the node, while there is one."""
+    path = [0]
+    while children := [c for c in range(1, len(parents))
+                       if parents[c] == path[-1] and tokens[c] == target[path[-1]]]:
+        path.append(children[0])
+    return path
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_longest_path_is_the_greedy_walk(shape):
+    """`longest_path` against a walk down the tree by hand, on trees of every shape and
+    random tokens of a vocabulary of 3 (so that paths of several lengths occur, and
+    siblings of one token, where the first is taken): its first `accepted` entries are
+    the walk's nodes."""
+    rng = np.random.default_rng()
+    batch, tokens = 64, 8
+    parents = np.asarray(tree_of(shape, rng, 1, tokens))[0]
+    drafts = rng.integers(0, 3, (batch, tokens)).astype(np.int32)
+    target = rng.integers(0, 3, (batch, tokens)).astype(np.int32)
+    path, accepted = map(np.asarray, example.longest_path(tuple(parents), drafts, target))
+    walks = [walked_path(parents, d, t) for d, t in zip(drafts, target)]
+    assert [list(p[:a]) for p, a in zip(path, accepted)] == walks
+    assert len({len(w) for w in walks}) > 1, walks
 
 
 def test_prefill_computes_the_admitted_pieces(decoded):
@@ -303,6 +363,17 @@ def test_prefill_piece_flag():
     decoding's."""
     out = run_example("--max-prompt=40", "--prefill-piece=16", "--no-compile-cache")
     assert "1 x 16 (16 tokens), 2 x 16 (16 tokens)" in out and "check: OK" in out, out
+
+
+def test_draft_both_flag():
+    """--draft both --tokens 4: the chain's run and the tree's (parents [-1, 0, 1, 0]: a
+    chain of 3 with the top-2 token beside its first level) on the same prompts, and both
+    means printed (the tree's tokens are checked above)."""
+    out = run_example("--draft=both", "--tokens=4", "--no-compile-cache", "--no-check")
+    assert "draft chain: the last token and 3 drafts" in out, out
+    assert "draft tree: parents [-1, 0, 1, 0]" in out, out
+    assert re.search(r"mean accepted tokens per request per step: chain \d\.\d\d, "
+                     r"tree \d\.\d\d \(T=4\)", out), out
 
 
 def test_bf16_state_flag():

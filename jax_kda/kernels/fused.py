@@ -44,6 +44,7 @@ THREADS = 256
 CROWDED_CTAS_PER_SM = 8  # above it (at T <= 4) the state is requested with the operands
 STAMPS = 16  # int64 per CTA in the timeline build: SM id, two global times, Phase clocks
 RECORDS_READ = 1  # the named barrier of section 1 in `load_records` (0: the CTA's)
+TOKENS_LENT, TOKENS_TAKEN = 2, 3  # `looped_vectors`' named barriers, the CTA's threads
 UNROLLED_TOKENS = 14  # past it the convolution and pair products may loop (`looped_tokens`)
 CONV_TOKENS = 4  # tokens an iteration of that loop takes
 BATCHED_TREE_TOKENS = 12  # past it a tree's pair products go node by node (batches spill)
@@ -1024,22 +1025,24 @@ class FusedVerify(Kernel):
     @cute.jit
     def vectors(self, smem, activations, n, rank, tid):
         """Section 0: the token vectors and pair products, once the peers' decays are in;
-        section 1: the replay vectors and, here where it waits for section 0 anyway, the
-        solve's output gates into old_decays (its column `channel` = row only this thread
-        read, and for the last time). Then the pair sums, once every CTA's pairs are in
+        section 1: the replay vectors and the output gates (`replay_and_output_gates`);
+        where `looped_tokens` both sections take nodes of the pair products
+        (`looped_vectors`). Then the pair sums, once every CTA's pairs are in
         (`shared_pairs`)."""
         T: cutlass.Constexpr = self.tokens
-        if tid // K == 0:
+        if cutlass.const_expr(self.looped_tokens()):
+            self.looped_vectors(smem, activations, n, rank, tid)
+        elif tid // K == 0:
             if cutlass.const_expr(self.split > 1):
                 cute.arch.mbarrier_wait(smem.gates_arrived, 0)
-            self.token_vectors(activations, smem, rank, tid)
+            qs = cute.make_rmem_tensor(T, Float32)
+            ks = cute.make_rmem_tensor(T, Float32)
+            self.normalized_tokens(activations, smem, ks, qs)
+            self.gamma_vectors(ks, qs, smem, tid)
+            self.unrolled_pairs(ks, qs, smem.decays, tid % K, self.ancestor_bits(smem), smem,
+                                rank, tid)
         else:
-            self.replay_vectors(smem.kp, smem.old_decays, smem.old_sums, smem.decay_n, n, tid)
-            row = tid - K
-            if row < self.rows:
-                gates = sigmoids([Float32(smem.gate_in[t, row]) for t in range(T)])
-                for t in cutlass.range_constexpr(T):
-                    smem.old_decays[t, row] = gates[t]
+            self.replay_and_output_gates(smem, n, tid)
         cute.arch.barrier()
         if tid < T * T:
             if cutlass.const_expr(self.shared_pairs()):
@@ -1047,28 +1050,63 @@ class FusedVerify(Kernel):
             smem.pair_sums[tid] = tree_sum([smem.pairs[tid, w] for w in range(4)])
 
     @cute.jit
-    def token_vectors(self, activations, smem, rank, tid):
-        """Section 0: normalized q (scaled) and k of this channel; Gamma_t k_t and
-        Gamma_t q_t into xvec; the channel's terms of the T^2 pair products, summed per
-        warp into pairs, unit by unit (`pair_units`; node by node in a runtime loop where
-        `looped_tokens`), this CTA's own where the cluster shares them (`pair_owner`). A
-        tree build takes each product over node t's path: a decay off it is selected
-        away (a factor 1), a pair off it is 0."""
+    def looped_vectors(self, smem, activations, n, rank, tid):
+        """`vectors` where `looped_tokens`: node t of the pair products' loop is CTA t %
+        split's and there section (t // split) % 2's. Section 0 normalizes q and k and
+        lends them to section 1 in xvec's rows (free until the Gamma vectors), which
+        takes them after its replay vectors and output gates; section 0 writes the Gamma
+        vectors over them once they are taken."""
         T: cutlass.Constexpr = self.tokens
-        norm_sums, decays, xvec = smem.norm_sums, smem.decays, smem.xvec
-        channel = tid % K
-        ancestors = self.ancestor_bits(smem)
+        xvec, channel, section = smem.xvec, tid % K, tid // K
         qs = cute.make_rmem_tensor(T, Float32)
         ks = cute.make_rmem_tensor(T, Float32)
+        if section == 0:
+            cute.arch.mbarrier_wait(smem.gates_arrived, 0)
+            self.normalized_tokens(activations, smem, ks, qs)
+            for t in cutlass.range_constexpr(T):
+                xvec[t, channel] = ks[t]
+                xvec[T + t, channel] = qs[t]
+            cute.arch.barrier_arrive(barrier_id=TOKENS_LENT, number_of_threads=THREADS)
+        else:
+            self.replay_and_output_gates(smem, n, tid)
+            cute.arch.barrier(barrier_id=TOKENS_LENT, number_of_threads=THREADS)
+            for t in cutlass.range_constexpr(T):
+                ks[t] = xvec[t, channel]
+                qs[t] = xvec[T + t, channel]
+            cute.arch.barrier_arrive(barrier_id=TOKENS_TAKEN, number_of_threads=THREADS)
+            cute.arch.mbarrier_wait(smem.gates_arrived, 0)  # section 1 reads the decays too
+        ancestors = self.ancestor_bits(smem)
+        for t in cutlass.range(rank + section * self.split, T, 2 * self.split, unroll=1):
+            self.looped_node_pairs(t, ks, qs, smem.decays, channel, ancestors, smem, tid)
+        if section == 0:
+            cute.arch.barrier(barrier_id=TOKENS_TAKEN, number_of_threads=THREADS)
+            self.gamma_vectors(ks, qs, smem, tid)
+
+    @cute.jit
+    def normalized_tokens(self, activations, smem, ks, qs):
+        """Section 0: this channel's normalized k and q (scaled) of every token into the
+        registers ks and qs."""
+        T: cutlass.Constexpr = self.tokens
+        norm_sums = smem.norm_sums
         normalized = divided_by_roots(
             [activations[s, t] for s in range(2) for t in range(T)],
             [tree_sum([norm_sums[t, s, w] for w in range(4)]) + NORM_EPS
              for s in range(2) for t in range(T)], NORM_EPS)
-        gamma = Float32(1.0)
         for t in cutlass.range_constexpr(T):
             qs[t] = normalized[t] * self.scale
             ks[t] = normalized[T + t]
-            if cutlass.const_expr(self.trees):  # the decays on t's path, root first
+
+    @cute.jit
+    def gamma_vectors(self, ks, qs, smem, tid):
+        """Section 0: Gamma_t k_t and Gamma_t q_t of this channel into xvec; a tree
+        build's Gamma_t the product of the decays on t's path, root first (a decay off
+        it selected away)."""
+        T: cutlass.Constexpr = self.tokens
+        decays, xvec, channel = smem.decays, smem.xvec, tid % K
+        ancestors = self.ancestor_bits(smem)
+        gamma = Float32(1.0)
+        for t in cutlass.range_constexpr(T):
+            if cutlass.const_expr(self.trees):
                 gamma = decays[0, channel]
                 for r in cutlass.range_constexpr(1, t + 1):
                     gamma = gamma * self.path_factor(ancestors, t, r, decays[r, channel])
@@ -1077,16 +1115,14 @@ class FusedVerify(Kernel):
                 gamma = d if t == 0 else gamma * d
             xvec[t, channel] = gamma * ks[t]
             xvec[T + t, channel] = gamma * qs[t]
-        if cutlass.const_expr(self.looped_tokens()):  # node t: rank t % split's
-            for t in cutlass.range(rank, T, self.split, unroll=1):
-                self.looped_node_pairs(t, ks, qs, decays, channel, ancestors, smem, tid)
-        else:
-            self.unrolled_pairs(ks, qs, decays, channel, ancestors, smem, rank, tid)
 
     @cute.jit
     def unrolled_pairs(self, ks, qs, decays, channel, ancestors, smem, rank, tid):
-        """The pair products unit by unit, each unit's code its own (T <= UNROLLED_TOKENS
-        or split 1)."""
+        """Section 0: this channel's terms of the T^2 pair products, summed per warp into
+        pairs, unit by unit (`pair_units`), each unit's code its own (T <= UNROLLED_TOKENS
+        or split 1), this CTA's own where the cluster shares them (`pair_owner`). A tree
+        build takes each product over node t's path: a decay off it is selected away (a
+        factor 1), a pair off it is 0."""
         T: cutlass.Constexpr = self.tokens
         by_node = self.pair_units()[0]
         # batches take the decays from registers; nodes read them where used (held, a
@@ -1155,11 +1191,11 @@ class FusedVerify(Kernel):
 
     @cute.jit
     def looped_node_pairs(self, t, ks, qs, decays, channel, ancestors, smem, tid):
-        """`token_vectors`' loop body where `looped_tokens`: node t's pairs (a runtime t)
-        as 2T terms, A_ts then B_ts for s = 0 .. T - 1, those past t or off t's path 0
-        and not stored, in one warp reduction; P(s, t) the suffix product of t's path
-        factors, as `node_pairs` takes it. The warps run one node's code, where the
-        copies for every node waited on instruction fetch."""
+        """`looped_vectors`' loop body: node t's pairs (a runtime t) as 2T terms, A_ts
+        then B_ts for s = 0 .. T - 1, those past t or off t's path 0 and not stored, in
+        one warp reduction; P(s, t) the suffix product of t's path factors, as
+        `node_pairs` takes it. The warps run one node's code, where the copies for every
+        node waited on instruction fetch."""
         T: cutlass.Constexpr = self.tokens
         k_t, q_t = ks[0], qs[0]
         for s in cutlass.range_constexpr(1, T):
@@ -1189,9 +1225,10 @@ class FusedVerify(Kernel):
 
     @cute.jit
     def store_pair(self, smem, slot, total, holds, tid):
-        """A warp's total of pair `slot` into pairs [slot, warp]: this CTA's, or with
-        `shared_pairs` every CTA's of the cluster (a DSMEM push each, on pairs_arrived)."""
-        warp = tid // 32
+        """A warp's total of pair `slot` into pairs [slot, warp % 4]: this CTA's, or with
+        `shared_pairs` every CTA's of the cluster (a DSMEM push each, on pairs_arrived).
+        Where both sections take nodes (`looped_tokens`) a node is one section's."""
+        warp = tid // 32 % 4 if self.looped_tokens() else tid // 32
         if holds:
             if cutlass.const_expr(self.shared_pairs()):
                 for peer in cutlass.range_constexpr(self.split):
@@ -1199,6 +1236,19 @@ class FusedVerify(Kernel):
                              smem.pairs_arrived, peer)
             else:
                 smem.pairs[slot, warp] = total
+
+    @cute.jit
+    def replay_and_output_gates(self, smem, n, tid):
+        """Section 1: the replay vectors, and here where it waits for section 0 anyway,
+        the solve's output gates into old_decays (its column `channel` = row only this
+        thread read, and for the last time)."""
+        T: cutlass.Constexpr = self.tokens
+        self.replay_vectors(smem.kp, smem.old_decays, smem.old_sums, smem.decay_n, n, tid)
+        row = tid - K
+        if row < self.rows:
+            gates = sigmoids([Float32(smem.gate_in[t, row]) for t in range(T)])
+            for t in cutlass.range_constexpr(T):
+                smem.old_decays[t, row] = gates[t]
 
     @cute.jit
     def replay_vectors(self, kp, old_decays, old_sums, decay_n, n, tid):

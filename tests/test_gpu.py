@@ -311,11 +311,12 @@ BAD_BRANCHES = [(5, 1), (5, 2), (16, 2)]  # 16: the runtime loops (`looped_token
 @pytest.mark.parametrize("tokens,split", BAD_BRANCHES,
                          ids=[f"T{T}-split{s}" for T, s in BAD_BRANCHES])
 def test_a_bad_branch_reaches_no_other(tokens, split):
-    """tests/tree_shapes.py's `check_bad_branch` on the kernel: a NaN in x.v of node 3."""
+    """tests/tree_shapes.py's `check_bad_branch` on the kernel, the bad node's x.v NaN."""
     config = KdaConfig(heads=3, tokens=tokens, split=split, trees=True)
     params, cache, inputs = problem(config, seed=95 + split, edge_cases=False)
-    check_bad_branch(kernel_step(config), lambda i: bad_values.spoiled(i, "x.v", 3, "nan"),
-                     params, lambda: copy(cache), inputs, config, copy=copy)
+    check_bad_branch(kernel_step(config),
+                     lambda i, node: bad_values.spoiled(i, "x.v", node, "nan"), params,
+                     lambda: copy(cache), inputs, config, copy=copy)
 
 
 BF16 = [(T, every, trees, split) for T, every, trees in ((4, 1, False), (8, 1, True),

@@ -102,15 +102,15 @@ def test_a_chain_tree_is_the_chain(implementations, draw):
 
 
 def test_a_bad_branch_reaches_no_other(implementation, draw):
-    """tests/tree_shapes.py's `check_bad_branch`: a NaN in x.v of node 3."""
+    """tests/tree_shapes.py's `check_bad_branch`, the bad node's x.v NaN."""
     config = KdaConfig(heads=HEADS, tokens=5, trees=True)
     params = draw.params(draw.key(21), config)
     cache = draw.cache(draw.key(22), config, NUM_SLOTS, NUM_RECORDS)
     inputs = draw.inputs(draw.key(23), config, jnp.asarray([2, 4], jnp.int32),
                          jnp.asarray([1, 2], jnp.int32))
     check_bad_branch(lambda p, c, i: implementation(p, c, i, config),
-                     lambda i: bad_values.spoiled(i, "x.v", 3, "nan"), params, lambda: cache,
-                     inputs, config)
+                     lambda i, node: bad_values.spoiled(i, "x.v", node, "nan"), params,
+                     lambda: cache, inputs, config)
 
 
 def awaiting_cache(config, draw, parents):

@@ -11,6 +11,7 @@ from jax_kda import accept
 from jax_kda.testing import random_parents
 
 SHAPES = ("chain", "star", "binary", "random")
+BAD_NODE = 2  # `check_bad_branch`: the bad branch's first node, before good node 3
 
 
 def tree_of(shape, rng, batch, tokens):
@@ -38,28 +39,32 @@ def a_path(rng, parents, tokens):
 
 
 def check_bad_branch(verify, spoiled, params, cache, inputs, config, copy=lambda tree: tree):
-    """NaN in node 3 of the tree [-1, 0, 1, 0, 3] of request 0 (`spoiled(inputs)` makes
-    it; past T = 5 the bad branch goes on, node t a child of t - 1): nodes 1 and 2
-    (another branch) and their records are bitwise those of a clean run, and after
-    accepting the path 0, 1, 2 the next verify is the clean run's, bit for bit and
-    finite. verify(params, cache, inputs) -> (out, cache); cache() gives the cache to
-    start from, afresh each run (a verify may donate it); copy: a copy of a cache that
-    outlives a donation."""
+    """Two branches interleaved, node t's parent t - 2 past node 1 (the odd nodes and
+    node 0 one branch, the even nodes past 0 another), and a NaN in node BAD_NODE
+    (`spoiled(inputs, BAD_NODE)` makes it) of request 0: every node of the bad branch is
+    NaN, the good branch's outputs and records (its nodes before and after the bad one)
+    are bitwise those of a clean run, and after accepting the path 0, 1, 3 the next verify
+    is the clean run's, bit for bit and finite. verify(params, cache, inputs) -> (out,
+    cache); cache() gives the cache to start from, afresh each run (a verify may donate
+    it); copy: a copy of a cache that outlives a donation."""
     B, T = inputs.slots.shape[0], config.tokens
-    parents = [-1, 0, 1, 0, 3] + list(range(4, T - 1))
+    parents = [-1, 0] + [t - 2 for t in range(2, T)]
+    good = [0] + list(range(1, T, 2))
+    bad = list(range(BAD_NODE, T, 2))
     inputs = dataclasses.replace(inputs, parents=jnp.asarray([parents] * B, jnp.int32))
-    path = jnp.asarray([[0, 1, 2] + [0] * (T - 3)] * B, jnp.int32)
+    path = jnp.asarray([[0, 1, 3] + [0] * (T - 3)] * B, jnp.int32)
     accepted = jnp.full((B,), 3, jnp.int32)
     results = []
-    for spoilt in (inputs, spoiled(inputs)):
+    for spoilt in (inputs, spoiled(inputs, BAD_NODE)):
         out, after = verify(params, cache(), spoilt)
         kept = accept(after, inputs.record_rows, accepted, config, path=path)
         results.append((out, copy(after), verify(params, kept, inputs)))
     (out, after, nxt), (bad_out, bad_after, bad_nxt) = results
-    assert_same_bits(bad_out[0, :3], out[0, :3], "the other branch's outputs")
+    assert np.all(np.isnan(np.asarray(bad_out[0, bad], np.float32))), "the bad branch"
+    assert_same_bits(bad_out[0, good], out[0, good], "the other branch's outputs")
     assert_same_bits(bad_out[1:], out[1:], "another request")
     row = int(inputs.record_rows[0])
-    assert_same_bits(bad_after.corrections[row, :, :3], after.corrections[row, :, :3],
+    assert_same_bits(bad_after.corrections[row][:, good], after.corrections[row][:, good],
                      "records")
     assert np.all(np.isfinite(np.asarray(bad_nxt[0], np.float32)))
     assert_same_bits(bad_nxt[0], nxt[0], "the next step's out")
